@@ -1,0 +1,289 @@
+"""The run configuration: YAML + dotlist overrides -> checked dataclasses, before anything heavy starts.
+
+Errors name the bad key (with the closest valid key), the wrong type, or the missing value. Free variables live
+under ``variables:`` and are used through omegaconf interpolation (``${variables.data_root}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dha_train.data.domains import DOMAINS
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key path in the message."""
+
+
+REQUIRED = '???'  # omegaconf's marker for a value that must be given
+
+
+@dataclass
+class ModelConfig:
+    # A local HF folder to start from (a real checkpoint); when null the model is built from `config`.
+    pretrained_path: Optional[str] = None
+    # LlamaConfig fields (hidden_size, num_hidden_layers, ...); applied on top of the pretrained config when both
+    # are given. Keys are checked against LlamaConfig.
+    config: dict[str, Any] = field(default_factory=dict)
+    # Local HF tokenizer folder; defaults to pretrained_path. Saved into checkpoints and exports.
+    tokenizer: Optional[str] = None
+    # 'sdpa' (default), 'eager', or 'flash_attention_2' (needs the optional `gpu` extra).
+    attn_implementation: str = 'sdpa'
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class StreamConfig:
+    # Where this domain's MDS split lives; defaults to <loader.root>/<domain>/<split>.
+    local: Optional[str] = None
+    # Remote location (s3://, gs://, oci://, ...) streamed into `local`; defaults to <loader.remote>/<domain>/<split>.
+    remote: Optional[str] = None
+    # Relative sampling weight; null takes the RedPajama proportion of the domain. Renormalised over the streams.
+    proportion: Optional[float] = None
+
+
+@dataclass
+class TrainLoaderConfig:
+    root: str = REQUIRED  # local folder holding <domain>/<split>/ MDS folders (the output of `dha-train data prep`)
+    remote: Optional[str] = None
+    split: str = 'train'
+    # One entry per domain. Null: every domain found under root, with the RedPajama proportions.
+    streams: Optional[dict[str, StreamConfig]] = None
+    shuffle: bool = True
+    shuffle_algo: str = 'py1e'
+    shuffle_block_size: Optional[int] = None
+    num_canonical_nodes: Optional[int] = None
+    predownload: Optional[int] = None
+    cache_limit: Optional[str] = None
+    download_timeout: float = 60.0
+    num_workers: int = 0
+    prefetch_factor: Optional[int] = None
+    persistent_workers: bool = False
+    drop_last: bool = True
+
+
+@dataclass
+class EvalLoaderConfig:
+    root: str = REQUIRED
+    remote: Optional[str] = None
+    split: str = 'val'
+    # Domains to evaluate, each reported as its own loss; null: every domain with a split under root.
+    domains: Optional[list[str]] = None
+    num_workers: int = 0
+    # Batches per domain per evaluation; -1 means the whole split.
+    subset_num_batches: int = -1
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = 'decoupled_adamw'
+    lr: float = 1.0e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+    # Parameters whose name contains one of these substrings go to the `no_decay` group.
+    no_decay_name_patterns: list[str] = field(default_factory=lambda: ['bias', 'norm'])
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = 'cosine_with_warmup'
+    t_warmup: str = '100ba'
+    alpha_f: float = 0.1  # final lr as a fraction of the peak (cosine "to 10%")
+
+
+@dataclass
+class FSDPConfig:
+    enabled: bool = True
+    reshard_after_forward: bool = True
+    state_dict_type: str = 'sharded'  # 'sharded' (one file per rank) or 'full'
+    mixed_precision: str = 'DEFAULT'
+    activation_cpu_offload: bool = False
+
+
+@dataclass
+class TrainConfig:
+    variables: dict[str, Any] = field(default_factory=dict)
+    run_name: Optional[str] = None
+    seed: int = 17
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train_loader: TrainLoaderConfig = field(default_factory=TrainLoaderConfig)
+    eval_loader: Optional[EvalLoaderConfig] = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_duration: str = REQUIRED  # Composer time string: '800ba', '1ep', '200000000tok'
+    global_train_batch_size: int = REQUIRED
+    device_train_microbatch_size: int = REQUIRED
+    device_eval_batch_size: int = 8
+    eval_interval: str = '500ba'
+    eval_first: bool = False
+    precision: str = 'auto'  # 'auto': fp32 on CPU, amp_bf16 on GPU
+    device: str = 'auto'  # 'auto', 'cpu' or 'gpu'
+    fsdp: Optional[FSDPConfig] = None
+    save_folder: Optional[str] = None
+    save_interval: str = '1000ba'
+    save_num_checkpoints_to_keep: int = -1
+    save_overwrite: bool = False
+    autoresume: bool = False
+    load_path: Optional[str] = None
+    load_weights_only: bool = False
+    # name -> kwargs, built through dha_train.registry
+    loggers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    algorithms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    console_log_interval: str = '10ba'
+    progress_bar: bool = False
+    dist_timeout: float = 600.0
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, '__name__', None) or str(tp).replace('typing.', '')
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and build dataclasses; raise ConfigError naming ``path``."""
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional or tp is Any:
+            return None
+        raise ConfigError(f'{path}: must be a {_type_name(tp)}, got null')
+    if value == REQUIRED:
+        raise ConfigError(f'{path}: missing required value')
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f'{path}: must be a mapping of {tp.__name__} fields, got {type(value).__name__} {value!r}')
+        return _build_dataclass(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f'{path}: must be a mapping, got {type(value).__name__} {value!r}')
+        _, value_tp = typing.get_args(tp)
+        return {str(k): _convert(v, value_tp, f'{path}.{k}') for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f'{path}: must be a list, got {type(value).__name__} {value!r}')
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f'{path}[{i}]') for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # '800' style durations and names written without quotes
+    if tp in (int, float, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f'{path}: must be {_type_name(tp)}, got {type(value).__name__} {value!r}')
+    if tp is str and not isinstance(value, str):
+        raise ConfigError(f'{path}: must be str, got {type(value).__name__} {value!r}')
+    return value
+
+
+def unknown_key_error(path: str, key: str, valid: typing.Iterable[str]) -> ConfigError:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ''
+    where = f'{path}.{key}' if path else key
+    return ConfigError(f"unknown config key '{where}'{hint} (valid keys here: {', '.join(valid)})")
+
+
+def _build_dataclass(cls: type, values: dict, path: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            raise unknown_key_error(path, str(key), names)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        where = f'{path}.{f.name}' if path else f.name
+        if f.name in values:
+            kwargs[f.name] = _convert(values[f.name], hints[f.name], where)
+        elif f.default is REQUIRED:
+            raise ConfigError(f'{where}: missing required value')
+    return cls(**kwargs)
+
+
+def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML file (or a dict), apply ``key=value`` overrides, resolve interpolations and check everything."""
+    if isinstance(source, dict):
+        cfg = OmegaConf.create(source)
+    else:
+        source = Path(source)
+        if not source.is_file():
+            raise ConfigError(f'config file not found: {source}')
+        cfg = OmegaConf.load(source)
+    bad = [o for o in overrides if '=' not in o]
+    if bad:
+        raise ConfigError(f'overrides must look like key=value, got: {bad}')
+    try:
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        raw = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f'cannot resolve config: {exc}') from exc
+    if not isinstance(raw, dict):
+        raise ConfigError('the config must be a mapping at the top level')
+    config = _build_dataclass(TrainConfig, raw, '')
+    _check_values(config)
+    return config
+
+
+def _check_values(config: TrainConfig) -> None:
+    """Cross-field checks that the types alone cannot express."""
+    from composer.core import Time
+
+    for name in ('max_duration', 'eval_interval', 'save_interval', 'console_log_interval'):
+        value = getattr(config, name)
+        try:
+            Time.from_timestring(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: '{value}' is not a Composer time string such as '800ba', '1ep', '1000tok'") from exc
+    try:
+        Time.from_timestring(config.scheduler.t_warmup)
+    except ValueError as exc:
+        raise ConfigError(f"scheduler.t_warmup: '{config.scheduler.t_warmup}' is not a Composer time string") from exc
+    for domain in config.train_loader.streams or {}:
+        if domain not in DOMAINS:
+            raise unknown_key_error('train_loader.streams', domain, DOMAINS)
+    if config.eval_loader is not None:
+        for domain in config.eval_loader.domains or []:
+            if domain not in DOMAINS:
+                raise ConfigError(f"eval_loader.domains: unknown domain '{domain}' (valid: {', '.join(DOMAINS)})")
+    for stream_domain, stream in (config.train_loader.streams or {}).items():
+        if stream.proportion is not None and stream.proportion <= 0:
+            raise ConfigError(f'train_loader.streams.{stream_domain}.proportion must be > 0, got {stream.proportion}')
+    if config.global_train_batch_size <= 0 or config.device_train_microbatch_size <= 0:
+        raise ConfigError('global_train_batch_size and device_train_microbatch_size must be positive')
+    if config.autoresume and (config.save_folder is None or config.run_name is None):
+        raise ConfigError('autoresume needs both save_folder and run_name')
+    if config.precision not in ('auto', 'fp32', 'amp_bf16', 'amp_fp16'):
+        raise ConfigError(f"precision: '{config.precision}' is not one of auto, fp32, amp_bf16, amp_fp16")
+    if config.device not in ('auto', 'cpu', 'gpu'):
+        raise ConfigError(f"device: '{config.device}' is not one of auto, cpu, gpu")
+    if config.model.attn_implementation not in ('sdpa', 'eager', 'flash_attention_2'):
+        raise ConfigError(
+            f"model.attn_implementation: '{config.model.attn_implementation}' is not one of sdpa, eager, "
+            'flash_attention_2')
+    if config.fsdp is not None and config.fsdp.state_dict_type not in ('sharded', 'full'):
+        raise ConfigError(f"fsdp.state_dict_type: '{config.fsdp.state_dict_type}' is not 'sharded' or 'full'")
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    """The checked config as plain data, for logging as hyper-parameters and saving beside a run."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,149 @@
+"""Streaming loaders over the MDS folders written by `dha-train data prep`.
+
+Training mixes one ``streaming.Stream`` per domain by proportion inside one ``StreamingDataset``; Composer saves
+and restores the ``StreamingDataLoader`` state, which gives deterministic mid-epoch resume. Evaluation builds one
+Composer ``Evaluator`` per domain, so every domain reports its own LM loss and a domain can never be absent from
+(or dilute) another domain's mean.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
+from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
+
+TOKENS_COLUMN = 'tokens'
+
+
+def collate_tokens(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack packed samples into a causal-LM batch. HF LLaMA shifts the labels itself."""
+    try:
+        tokens = np.stack([np.asarray(sample[TOKENS_COLUMN]) for sample in samples])
+    except KeyError as exc:
+        raise ValueError(f"MDS samples need a '{TOKENS_COLUMN}' column; found {sorted(samples[0])}") from exc
+    input_ids = torch.from_numpy(tokens.astype(np.int64))
+    return {'input_ids': input_ids, 'labels': input_ids.clone()}
+
+
+def _split_dir(root: str, domain: str, split: str) -> Path:
+    return Path(root) / domain / split
+
+
+def domains_with_split(root: str, split: str) -> list[str]:
+    return [d for d in DOMAINS if (_split_dir(root, d, split) / 'index.json').is_file()]
+
+
+def read_manifest(root: str) -> dict | None:
+    path = Path(root) / 'manifest.json'
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_data_matches_model(root: str, *, vocab_size: int, max_seq_len: int, where: str) -> None:
+    """Fail early on a tokenizer/vocab or sequence-length mismatch between the data and the model."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        return
+    if manifest['vocab_size'] > vocab_size:
+        raise ConfigError(
+            f"{where}: data under {root} was tokenized with a {manifest['vocab_size']}-token vocabulary "
+            f'({manifest.get("tokenizer")}) but the model has vocab_size={vocab_size}; use the same tokenizer')
+    if manifest['seq_len'] > max_seq_len:
+        raise ConfigError(f"{where}: samples under {root} are {manifest['seq_len']} tokens long but the model's "
+                          f'max_position_embeddings is {max_seq_len}')
+
+
+def _stream_kwargs(cfg: TrainLoaderConfig) -> list[tuple[str, dict[str, Any]]]:
+    """Resolve the per-domain stream locations and proportions, checking that local data exists."""
+    if cfg.streams is None:
+        domains = domains_with_split(cfg.root, cfg.split) if cfg.remote is None else []
+        if not domains:
+            raise ConfigError(
+                f"train_loader: no MDS data under '{cfg.root}' (expected <root>/<domain>/{cfg.split}/index.json for "
+                f"a domain in {', '.join(DOMAINS)}); run `dha-train data prep` or list train_loader.streams")
+        streams = {d: None for d in domains}
+    else:
+        if not cfg.streams:
+            raise ConfigError('train_loader.streams is empty')
+        streams = dict(cfg.streams)
+    resolved = []
+    for domain, stream in streams.items():
+        local = (stream.local if stream and stream.local else None) or str(_split_dir(cfg.root, domain, cfg.split))
+        remote = (stream.remote if stream and stream.remote else None)
+        if remote is None and cfg.remote is not None:
+            remote = f'{cfg.remote.rstrip("/")}/{domain}/{cfg.split}'
+        if remote is None and not (Path(local) / 'index.json').is_file():
+            found = domains_with_split(cfg.root, cfg.split)
+            raise ConfigError(f"train_loader.streams.{domain}: no MDS index at '{local}/index.json' "
+                              f"(domains with a '{cfg.split}' split under {cfg.root}: {found or 'none'})")
+        proportion = stream.proportion if stream and stream.proportion is not None else REDPAJAMA_PROPORTIONS[domain]
+        resolved.append((domain, {'local': local, 'remote': remote, 'proportion': proportion}))
+    return resolved
+
+
+def build_train_dataloader(cfg: TrainLoaderConfig, *, device_batch_size: int, seed: int, download_retry: int = 2):
+    """A ``StreamingDataLoader`` over the domain mixture. Its state dict makes mid-epoch resume exact."""
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
+
+    total = 0.0
+    streams = []
+    for _, kwargs in _stream_kwargs(cfg):
+        total += kwargs['proportion']
+        streams.append(kwargs)
+    dataset = StreamingDataset(
+        streams=[Stream(local=s['local'], remote=s['remote'], proportion=s['proportion'] / total) for s in streams],
+        batch_size=device_batch_size,
+        shuffle=cfg.shuffle,
+        shuffle_algo=cfg.shuffle_algo,
+        shuffle_seed=seed,
+        shuffle_block_size=cfg.shuffle_block_size,
+        num_canonical_nodes=cfg.num_canonical_nodes,
+        predownload=cfg.predownload,
+        cache_limit=cfg.cache_limit,
+        download_timeout=cfg.download_timeout,
+        download_retry=download_retry,
+    )
+    return StreamingDataLoader(
+        dataset,
+        batch_size=device_batch_size,
+        collate_fn=collate_tokens,
+        drop_last=cfg.drop_last,
+        num_workers=cfg.num_workers,
+        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+        persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
+    )
+
+
+def eval_label(domain: str) -> str:
+    return f'eval_{domain}'
+
+
+def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_names: list[str]):
+    """One Composer ``Evaluator`` per domain; each logs ``metrics/eval_<domain>/<metric>``."""
+    from composer.core import Evaluator
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    if cfg.domains is None:
+        domains = domains_with_split(cfg.root, cfg.split)
+        if not domains and cfg.remote is None:
+            raise ConfigError(f"eval_loader: no '{cfg.split}' split under '{cfg.root}' for any domain "
+                              f"(expected <root>/<domain>/{cfg.split}/index.json); prep data with --val-tokens")
+    else:
+        domains = list(cfg.domains)
+    evaluators = []
+    for domain in domains:
+        local = _split_dir(cfg.root, domain, cfg.split)
+        remote = f'{cfg.remote.rstrip("/")}/{domain}/{cfg.split}' if cfg.remote else None
+        if remote is None and not (local / 'index.json').is_file():
+            raise ConfigError(f"eval_loader.domains: '{domain}' has no MDS index at '{local}/index.json'")
+        dataset = StreamingDataset(local=str(local), remote=remote, batch_size=device_batch_size, shuffle=False)
+        loader = StreamingDataLoader(dataset, batch_size=device_batch_size, collate_fn=collate_tokens,
+                                     drop_last=False, num_workers=cfg.num_workers)
+        evaluators.append(Evaluator(label=eval_label(domain), dataloader=loader, metric_names=metric_names,
+                                    subset_num_batches=cfg.subset_num_batches))
+    return evaluators

@@ -1,0 +1,56 @@
+"""Tokenizers: train the quickstart's byte-level BPE, and load any local HF tokenizer folder without a hub."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
+
+
+def train_byte_level_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int):
+    """Train a byte-level BPE tokenizer on ``texts`` and save it as a HF tokenizer folder.
+
+    Byte-level BPE is lossless, so decoding packed samples gives back the source text exactly.
+    No post-processor adds BOS/EOS: data prep adds them itself when it packs documents.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out_dir))
+    return wrapped
+
+
+def load_tokenizer(path: str | Path):
+    """Load a HF tokenizer from a local folder; never touches a hub. Checks that BOS and EOS exist."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f'tokenizer folder not found: {path} (pass a local HF tokenizer folder)')
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises several types here; all mean "not a usable tokenizer folder"
+        raise ValueError(f'cannot load a HF tokenizer from {path}: {exc}') from exc
+    if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
+        raise ValueError(f'tokenizer at {path} has no BOS or EOS token; packing needs both')
+    return tokenizer

@@ -1,0 +1,114 @@
+"""Composer checkpoint (full file or sharded folder) -> Hugging Face folder (safetensors, config, tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+LATEST = 'latest-rank0.pt'
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint file, a sharded checkpoint folder, or a save_folder (its latest checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f'checkpoint not found: {path}')
+    if path.is_dir() and not (path / '.metadata').is_file():
+        latest = path / LATEST
+        if not latest.exists():
+            raise CheckpointError(f'{path} is neither a checkpoint nor a save_folder with a {LATEST} link')
+        path = latest
+    return path.resolve()
+
+
+def load_composer_state(path: str | Path) -> dict:
+    """Load a whole Composer checkpoint into memory as the nested dict Composer saved."""
+    import torch
+
+    path = resolve_checkpoint(path)
+    try:
+        if path.is_dir():
+            # Sharded (FSDP2 / torch.distributed.checkpoint) folder: gather the shards into one state dict.
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            with tempfile.TemporaryDirectory() as tmp:
+                gathered = Path(tmp) / 'gathered.pt'
+                dcp_to_torch_save(str(path), str(gathered))
+                state = torch.load(gathered, map_location='cpu', weights_only=False)
+        else:
+            state = torch.load(path, map_location='cpu', weights_only=False)
+    except Exception as exc:  # torch raises many types for truncated or foreign files
+        raise CheckpointError(f'cannot read checkpoint {path} (corrupted or incomplete?): {exc}') from exc
+    if not isinstance(state, dict) or 'model' not in state.get('state', {}):
+        raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+    return state
+
+
+def _hf_parts(state: dict, checkpoint: Path):
+    from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
+
+    try:
+        hf_state = state['state']['integrations']['huggingface']
+    except KeyError as exc:
+        raise CheckpointError(f'{checkpoint} has no Hugging Face metadata; was it written by `dha-train train`?') from exc
+    config = get_hf_config_from_composer_state_dict(state)
+    if 'tokenizer' not in hf_state:
+        return config, None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
+    return config, tokenizer
+
+
+def model_weights(state: dict) -> dict:
+    """The HF model's weights: Composer's wrapper prefixes every key with ``model.``."""
+    prefix = 'model.'
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
+              dtype: str = 'float32', overwrite: bool = False) -> Path:
+    """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dha_train.data.tokenizer import load_tokenizer
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got '{dtype}'")
+    path = resolve_checkpoint(checkpoint)
+    state = load_composer_state(path)
+    config, saved_tokenizer = _hf_parts(state, path)
+    hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
+
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(model_weights(state), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f'{path}: weights do not match the saved config (missing {missing[:5]}, '
+                              f'unexpected {unexpected[:5]})')
+    model = model.to(getattr(torch, dtype))
+    model.config.torch_dtype = getattr(torch, dtype)
+
+    # Write next to the target and swap in at the end, so a failed export never leaves a half-written folder.
+    staging = Path(tempfile.mkdtemp(prefix=f'.{out_dir.name}.', dir=out_dir.parent if out_dir.parent.exists() else None))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    if hf_tokenizer is None:
+        print(f'dha-train export: warning: {path} carries no tokenizer; pass --tokenizer to include one')
+    return out_dir

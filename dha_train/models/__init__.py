@@ -1,0 +1,1 @@
+"""Models: HF LLaMA builders and Composer wrappers."""

@@ -1,0 +1,143 @@
+"""Names -> builders for loggers, callbacks and algorithms, so recipes pick components by name.
+
+A YAML section such as ``callbacks: {speed_monitor: {window_size: 10}}`` becomes
+``callbacks.build('speed_monitor', {'window_size': 10})``. Later issues only add entries here (or call
+``register`` from their own module, imported by ``dha_train.components``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dha_train.config import ConfigError, unknown_key_error
+
+
+class Registry:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._builders: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str, builder: Callable[..., Any] | None = None):
+        """Register ``builder`` under ``name``; usable as a decorator."""
+
+        def add(fn: Callable[..., Any]):
+            if name in self._builders:
+                raise ValueError(f'{self.kind} {name!r} is registered twice')
+            self._builders[name] = fn
+            return fn
+
+        return add(builder) if builder is not None else add
+
+    def names(self) -> list[str]:
+        return sorted(self._builders)
+
+    def build(self, name: str, kwargs: dict[str, Any] | None) -> Any:
+        if name not in self._builders:
+            raise unknown_key_error(self.kind, name, self.names())
+        builder = self._builders[name]
+        kwargs = dict(kwargs or {})
+        try:
+            inspect.signature(builder).bind(**kwargs)
+        except TypeError as exc:
+            accepted = [p for p in inspect.signature(builder).parameters if p not in ('self', 'args', 'kwargs')]
+            raise ConfigError(f'{self.kind}.{name}: {exc} (accepted: {", ".join(accepted) or "none"})') from exc
+        return builder(**kwargs)
+
+    def build_all(self, section: dict[str, dict[str, Any]]) -> list[Any]:
+        return [self.build(name, kwargs) for name, kwargs in section.items()]
+
+
+loggers = Registry('loggers')
+callbacks = Registry('callbacks')
+algorithms = Registry('algorithms')
+
+
+# --- Composer's own loggers -------------------------------------------------------------------------------------
+
+
+@loggers.register('console')
+def _console_logger(log_interval: str = '10ba', stream: str = 'stdout'):
+    from composer.loggers import ConsoleLogger
+
+    return ConsoleLogger(log_interval=log_interval, stream=stream)
+
+
+@loggers.register('wandb')
+def _wandb_logger(project: str | None = None, group: str | None = None, name: str | None = None,
+                  entity: str | None = None, tags: list[str] | None = None, log_artifacts: bool = False,
+                  mode: str = 'online', dir: str | None = None):
+    """W&B; ``mode: offline`` writes a run folder under ``dir`` that `wandb sync` uploads later."""
+    from composer.loggers import WandBLogger
+
+    if mode not in ('online', 'offline', 'disabled'):
+        raise ConfigError(f"loggers.wandb.mode: '{mode}' is not one of online, offline, disabled")
+    init_kwargs: dict[str, Any] = {'mode': mode}
+    if dir is not None:
+        init_kwargs['dir'] = dir
+    return WandBLogger(project=project, group=group, name=name, entity=entity, tags=tags,
+                       log_artifacts=log_artifacts, init_kwargs=init_kwargs)
+
+
+@loggers.register('tensorboard')
+def _tensorboard_logger(log_dir: str | None = None, flush_interval: int = 100):
+    """Needs the optional `dashboards` extra (tensorboard)."""
+    from composer.loggers import TensorboardLogger
+
+    return TensorboardLogger(log_dir=log_dir, flush_interval=flush_interval)
+
+
+@loggers.register('mlflow')
+def _mlflow_logger(experiment_name: str | None = None, run_name: str | None = None,
+                   tracking_uri: str | None = None, tags: dict[str, Any] | None = None):
+    """Needs the optional `dashboards` extra (mlflow). A local ``tracking_uri`` (file:/path) works offline."""
+    from composer.loggers import MLFlowLogger
+
+    return MLFlowLogger(experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags)
+
+
+@loggers.register('in_memory')
+def _in_memory_logger():
+    from composer.loggers import InMemoryLogger
+
+    return InMemoryLogger()
+
+
+# --- Composer's own callbacks -----------------------------------------------------------------------------------
+
+
+@callbacks.register('speed_monitor')
+def _speed_monitor(window_size: int = 100, gpu_flops_available: float | None = None):
+    from composer.callbacks import SpeedMonitor
+
+    return SpeedMonitor(window_size=window_size, gpu_flops_available=gpu_flops_available)
+
+
+@callbacks.register('lr_monitor')
+def _lr_monitor():
+    from composer.callbacks import LRMonitor
+
+    return LRMonitor()
+
+
+@callbacks.register('memory_monitor')
+def _memory_monitor():
+    """Reports GPU memory; on CPU Composer warns once and logs nothing."""
+    from composer.callbacks import MemoryMonitor
+
+    return MemoryMonitor()
+
+
+@callbacks.register('runtime_estimator')
+def _runtime_estimator(skip_batches: int = 1, time_unit: str = 'hours'):
+    from composer.callbacks import RuntimeEstimator
+
+    return RuntimeEstimator(skip_batches=skip_batches, time_unit=time_unit)
+
+
+@callbacks.register('optimizer_monitor')
+def _optimizer_monitor(log_optimizer_metrics: bool = True):
+    from composer.callbacks import OptimizerMonitor
+
+    return OptimizerMonitor(log_optimizer_metrics=log_optimizer_metrics)

@@ -1,0 +1,222 @@
+"""YAML recipe -> Composer Trainer. Only assembles; every part is built elsewhere.
+
+Launch:  composer -n 8 -m dha_train.train yamls/pretrain/llama2_7b_cpt.yaml save_folder=... run_name=...
+         dha-train train yamls/pretrain/tiny.yaml key=value ...      (one process)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# Recipes take local paths; nothing may reach a model hub at run time.
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
+
+from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config  # noqa: E402
+
+
+def named_param_groups(model, optimizer_cfg) -> list[dict]:
+    """Split parameters into named groups, so logs and later algorithms can address a group by name."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        lowered = name.lower()
+        is_no_decay = param.ndim < 2 or any(p in lowered for p in optimizer_cfg.no_decay_name_patterns)
+        (no_decay if is_no_decay else decay).append(param)
+    groups = [{'name': 'decay', 'params': decay}]
+    if no_decay:
+        groups.append({'name': 'no_decay', 'params': no_decay, 'weight_decay': 0.0})
+    return groups
+
+
+def add_param_group(optimizer, name: str, params, **options) -> None:
+    """Give new parameters (fusion weights, masks, routers) their own named group and learning rate.
+
+    Call at ``Event.INIT``: Composer compiles the lr schedule after INIT, so the schedule scales this group too,
+    and its FSDP2 path re-syncs the optimizer with the sharded parameters after wrapping.
+    """
+    existing = [g.get('name') for g in optimizer.param_groups]
+    if name in existing:
+        raise ValueError(f'optimizer already has a parameter group named {name!r} (groups: {existing})')
+    optimizer.add_param_group({'name': name, 'params': list(params), **options})
+
+
+def build_optimizer(model, cfg):
+    from composer.optim import DecoupledAdamW
+
+    if cfg.name != 'decoupled_adamw':
+        raise ConfigError(f"optimizer.name: '{cfg.name}' is not supported (supported: decoupled_adamw)")
+    return DecoupledAdamW(named_param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                          weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(cfg):
+    from composer.optim import CosineAnnealingWithWarmupScheduler
+
+    if cfg.name != 'cosine_with_warmup':
+        raise ConfigError(f"scheduler.name: '{cfg.name}' is not supported (supported: cosine_with_warmup)")
+    return CosineAnnealingWithWarmupScheduler(t_warmup=cfg.t_warmup, alpha_f=cfg.alpha_f)
+
+
+def resolve_device_and_precision(config: TrainConfig) -> tuple[str, str]:
+    import torch
+
+    device = config.device
+    if device == 'auto':
+        device = 'gpu' if torch.cuda.is_available() else 'cpu'
+    if device == 'gpu' and not torch.cuda.is_available():
+        raise ConfigError('device: gpu was asked for but torch sees no CUDA device')
+    precision = config.precision
+    if precision == 'auto':
+        precision = 'amp_bf16' if device == 'gpu' else 'fp32'
+    if device == 'cpu' and precision != 'fp32':
+        raise ConfigError(f'precision: {precision} needs a GPU; use fp32 (or auto) on CPU')
+    return device, precision
+
+
+def _device_batch_size(config: TrainConfig, world_size: int) -> int:
+    if config.global_train_batch_size % world_size:
+        raise ConfigError(f'global_train_batch_size={config.global_train_batch_size} is not divisible by the '
+                          f'{world_size} processes of this launch')
+    per_device = config.global_train_batch_size // world_size
+    if per_device % config.device_train_microbatch_size:
+        raise ConfigError(f'device_train_microbatch_size={config.device_train_microbatch_size} does not divide the '
+                          f'per-device batch of {per_device} (= {config.global_train_batch_size} / {world_size})')
+    return per_device
+
+
+def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
+    """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
+    from composer import Trainer
+    from composer.utils import FSDP2Config, dist, reproducibility
+
+    from dha_train import registry
+    from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
+    from dha_train.data.tokenizer import load_tokenizer
+    from dha_train.models.llama import build_llama, build_llama_config, wrap_composer
+
+    device, precision = resolve_device_and_precision(config)
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))
+    device_batch_size = _device_batch_size(config, world_size)
+
+    # Cheap checks first: data layout, vocabulary and sequence length against the model config.
+    llama_config = build_llama_config(config.model)
+    tokenizer_path = config.model.tokenizer or config.model.pretrained_path
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    if tokenizer is not None and len(tokenizer) > llama_config.vocab_size:
+        raise ConfigError(f'model: tokenizer {tokenizer_path} has {len(tokenizer)} tokens but the model has '
+                          f'vocab_size={llama_config.vocab_size}')
+    for where, loader_cfg in (('train_loader', config.train_loader), ('eval_loader', config.eval_loader)):
+        if loader_cfg is not None and loader_cfg.remote is None:
+            if not Path(loader_cfg.root).is_dir():
+                raise ConfigError(f"{where}.root: data folder '{loader_cfg.root}' does not exist "
+                                  '(write it with `dha-train data prep`)')
+            check_data_matches_model(loader_cfg.root, vocab_size=llama_config.vocab_size,
+                                     max_seq_len=llama_config.max_position_embeddings, where=where)
+    train_loader = build_train_dataloader(config.train_loader, device_batch_size=device_batch_size, seed=config.seed)
+    evaluators = []
+    if config.eval_loader is not None:
+        evaluators = build_evaluators(config.eval_loader, device_batch_size=config.device_eval_batch_size,
+                                      metric_names=['LanguageCrossEntropy', 'LanguagePerplexity'])
+    loggers = registry.loggers.build_all(config.loggers) + list(extra_loggers)
+    callbacks = registry.callbacks.build_all(config.callbacks) + list(extra_callbacks)
+    algorithms = registry.algorithms.build_all(config.algorithms)
+
+    # Same seed on every rank, so every rank builds the same initial weights before FSDP shards them.
+    reproducibility.seed_all(config.seed)
+    model = wrap_composer(build_llama(config.model), tokenizer)
+    optimizer = build_optimizer(model, config.optimizer)
+
+    parallelism_config = None
+    if config.fsdp is not None and config.fsdp.enabled:
+        parallelism_config = {'fsdp': FSDP2Config(
+            reshard_after_forward=config.fsdp.reshard_after_forward,
+            state_dict_type=config.fsdp.state_dict_type,
+            mixed_precision=config.fsdp.mixed_precision,
+            activation_cpu_offload=config.fsdp.activation_cpu_offload,
+        )}
+
+    trainer = Trainer(
+        run_name=config.run_name,
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=evaluators or None,
+        eval_interval=config.eval_interval if evaluators else 1,
+        max_duration=config.max_duration,
+        optimizers=optimizer,
+        schedulers=build_scheduler(config.scheduler),
+        algorithms=algorithms,
+        callbacks=callbacks,
+        loggers=loggers,
+        device=device,
+        precision=precision,
+        device_train_microbatch_size=config.device_train_microbatch_size,
+        parallelism_config=parallelism_config,
+        seed=config.seed,
+        save_folder=config.save_folder,
+        save_interval=config.save_interval,
+        save_num_checkpoints_to_keep=config.save_num_checkpoints_to_keep,
+        save_overwrite=config.save_overwrite,
+        autoresume=config.autoresume,
+        load_path=config.load_path,
+        load_weights_only=config.load_weights_only,
+        console_log_interval=config.console_log_interval,
+        progress_bar=config.progress_bar,
+        log_to_console=not config.progress_bar and 'console' not in config.loggers,
+        dist_timeout=config.dist_timeout,
+    )
+    trainer.logger.log_hyperparameters({'dha_train_config': config_to_dict(config)})
+    if config.save_folder is not None and dist.get_global_rank() == 0 and '://' not in config.save_folder:
+        folder = Path(config.save_folder.format(run_name=trainer.state.run_name))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / 'dha_train_config.json').write_text(json.dumps(config_to_dict(config), indent=2))
+    return trainer
+
+
+def is_finished(trainer) -> bool:
+    state = trainer.state
+    return state.timestamp.get(state.max_duration.unit) >= state.max_duration
+
+
+def train(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
+    """Build the trainer and fit. A run that autoresumes into a finished state is reported done, not restarted."""
+    from composer.utils import dist
+
+    trainer = build_trainer(config, extra_loggers, extra_callbacks)
+    start_batch = int(trainer.state.timestamp.batch)
+    if dist.get_global_rank() == 0:
+        print(f'dha_train: run {trainer.state.run_name} starts at batch {start_batch} of {trainer.state.max_duration}',
+              flush=True)
+    if is_finished(trainer):
+        if dist.get_global_rank() == 0:
+            print(f'dha_train: run {trainer.state.run_name} already finished; nothing to train', flush=True)
+        return trainer
+    if config.eval_first and start_batch == 0 and trainer.state.evaluators:
+        trainer.eval()
+    trainer.fit()
+    return trainer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ('-h', '--help'):
+        print(__doc__)
+        print('usage: python -m dha_train.train <recipe.yaml> [key=value ...]')
+        return 0 if argv else 2
+    try:
+        config = load_config(argv[0], argv[1:])
+        trainer = train(config)
+    except ConfigError as exc:
+        print(f'dha-train: config error: {exc}', file=sys.stderr)
+        return 2
+    trainer.close()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
