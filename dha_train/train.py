@@ -93,15 +93,18 @@ def _device_batch_size(config: TrainConfig, world_size: int) -> int:
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
     from composer import Trainer
-    from composer.utils import FSDP2Config, dist, reproducibility
+    from composer.utils import FSDP2Config, dist, get_device, reproducibility
 
-    from dha_train import registry
+    from dha_train import components, registry  # noqa: F401  (components fills the registries)
     from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
     from dha_train.data.tokenizer import load_tokenizer
     from dha_train.models.llama import build_llama, build_llama_config, wrap_composer
 
     device, precision = resolve_device_and_precision(config)
-    world_size = int(os.environ.get('WORLD_SIZE', '1'))
+    # Join the process group before any StreamingDataset exists: otherwise each dataset opens and tears down a
+    # temporary group of its own on the same port, and ranks race each other.
+    dist.initialize_dist(get_device(device), timeout=config.dist_timeout)
+    world_size = dist.get_world_size()
     device_batch_size = _device_batch_size(config, world_size)
 
     # Cheap checks first: data layout, vocabulary and sequence length against the model config.

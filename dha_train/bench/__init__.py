@@ -1,0 +1,1 @@
+"""Benchmarks behind `dha-train bench ...`; each prints ratios measured within one run."""
