@@ -258,6 +258,9 @@ def _check_values(config: TrainConfig) -> None:
         Time.from_timestring(config.scheduler.t_warmup)
     except ValueError as exc:
         raise ConfigError(f"scheduler.t_warmup: '{config.scheduler.t_warmup}' is not a Composer time string") from exc
+    from dha_train.models.llama import check_llama_config_keys
+
+    check_llama_config_keys(config.model.config)
     for domain in config.train_loader.streams or {}:
         if domain not in DOMAINS:
             raise unknown_key_error('train_loader.streams', domain, DOMAINS)

@@ -7,20 +7,21 @@ from pathlib import Path
 from dha_train.config import ConfigError, ModelConfig, unknown_key_error
 
 
-def _llama_config_keys() -> set[str]:
+def check_llama_config_keys(overrides: dict) -> None:
+    """Every key of ``model.config`` must be a LlamaConfig field."""
     from transformers import LlamaConfig
 
-    return set(LlamaConfig().to_dict())
+    valid = set(LlamaConfig().to_dict())
+    for key in overrides:
+        if key not in valid:
+            raise unknown_key_error('model.config', key, valid)
 
 
 def build_llama_config(cfg: ModelConfig):
     """The LlamaConfig of a run: the pretrained folder's config (if any) with ``cfg.config`` applied on top."""
     from transformers import LlamaConfig
 
-    valid = _llama_config_keys()
-    for key in cfg.config:
-        if key not in valid:
-            raise unknown_key_error('model.config', key, valid)
+    check_llama_config_keys(cfg.config)
     if cfg.pretrained_path is not None:
         path = Path(cfg.pretrained_path)
         if not (path / 'config.json').is_file():

@@ -1,0 +1,105 @@
+"""One in-process training run with an offline W&B logger and full checkpoints: logging and HF export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_recipe
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, data_root, tokenizer_dir):
+    from dha_train.config import load_config
+    from dha_train.train import train
+
+    tmp = tmp_path_factory.mktemp('single')
+    recipe = tiny_recipe(
+        data_root, tokenizer_dir,
+        max_duration='10ba',
+        save_folder=str(tmp / 'ckpt'),
+        save_interval='5ba',
+        eval_loader={'root': '${variables.data_root}'},
+        eval_interval='10ba',
+        loggers={'wandb': {'project': 'dha-tests', 'mode': 'offline', 'dir': str(tmp)}},
+    )
+    trainer = train(load_config(recipe))
+    yield tmp, trainer
+    trainer.close()
+
+
+def _wandb_history_keys(run_file) -> dict[str, list[float]]:
+    """Read the offline .wandb record log the way `wandb sync` does and collect the history values."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    store = datastore.DataStore()
+    store.open_for_scan(str(run_file))
+    values: dict[str, list[float]] = {}
+    while True:
+        data = store.scan_data()
+        if data is None:
+            break
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof('record_type') == 'history':
+            for item in record.history.item:
+                key = item.key or '/'.join(item.nested_key)
+                values.setdefault(key, []).append(json.loads(item.value_json))
+    return values
+
+
+def test_offline_wandb_run_has_the_logged_loss(trained):
+    tmp, trainer = trained
+    trainer.close()  # flushes and finishes the W&B run
+    run_files = list((tmp / 'wandb').glob('offline-run-*/run-*.wandb'))
+    assert len(run_files) == 1, list((tmp / 'wandb').rglob('*'))
+    history = _wandb_history_keys(run_files[0])
+    losses = history.get('loss/train/total')
+    assert losses is not None and len(losses) == 10, sorted(history)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    for domain in ('github', 'wikipedia'):
+        assert math.isfinite(history[f'metrics/eval_{domain}/LanguageCrossEntropy'][-1])
+
+
+def test_export_gives_the_same_logits_as_the_composer_model(trained, tmp_path, tokenizer_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dha_train.export import export_hf
+
+    tmp, trainer = trained
+    out = export_hf(tmp / 'ckpt', tmp_path / 'hf')
+    assert (out / 'model.safetensors').is_file() and (out / 'tokenizer.json').is_file()
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tokenizer_dir).get_vocab()
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    composer_model = trainer.state.model.model.eval()
+    with torch.no_grad():
+        expected = composer_model(input_ids=ids).logits
+        got = hf(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+
+
+def test_export_refuses_corrupted_or_missing_checkpoints(trained, tmp_path):
+    from dha_train.export import CheckpointError, export_hf
+
+    tmp, _ = trained
+    real = (tmp / 'ckpt' / 'latest-rank0.pt').resolve()
+    broken = tmp_path / 'broken.pt'
+    broken.write_bytes(real.read_bytes()[: real.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match='corrupted or incomplete'):
+        export_hf(broken, tmp_path / 'out')
+    with pytest.raises(CheckpointError, match='not found'):
+        export_hf(tmp_path / 'nowhere', tmp_path / 'out')
+    assert not (tmp_path / 'out').exists()
+    (tmp_path / 'taken').mkdir()
+    (tmp_path / 'taken' / 'keep.txt').write_text('x')
+    with pytest.raises(FileExistsError, match='--overwrite'):
+        export_hf(tmp / 'ckpt', tmp_path / 'taken')
+    assert (tmp_path / 'taken' / 'keep.txt').read_text() == 'x'
