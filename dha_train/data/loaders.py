@@ -130,9 +130,10 @@ def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_na
 
     if cfg.domains is None:
         domains = domains_with_split(cfg.root, cfg.split)
-        if not domains and cfg.remote is None:
+        if not domains:
             raise ConfigError(f"eval_loader: no '{cfg.split}' split under '{cfg.root}' for any domain "
-                              f"(expected <root>/<domain>/{cfg.split}/index.json); prep data with --val-tokens")
+                              f"(expected <root>/<domain>/{cfg.split}/index.json); prep data with --val-tokens, "
+                              'or list eval_loader.domains when streaming from a remote')
     else:
         domains = list(cfg.domains)
     evaluators = []
