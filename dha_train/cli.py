@@ -88,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dha_train.config import ConfigError
+    from dha_train.data.prep import DataPrepError
     from dha_train.export import CheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, DataPrepError, FileExistsError, FileNotFoundError) as exc:
         print(f'dha-train: error: {exc}', file=sys.stderr)
         return 2
 

@@ -58,6 +58,11 @@ def default_workers() -> int:
     return min(8, os.cpu_count() or 1)
 
 
+def token_dtype_for(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every token id of a vocabulary this size."""
+    return 'uint16' if vocab_size <= 1 << 16 else 'uint32'
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reading RedPajama JSONL
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,7 +81,7 @@ def _open_binary_lines(path: Path, stack: contextlib.ExitStack) -> IO[bytes]:
     if path.name.endswith('.gz'):
         return stack.enter_context(gzip.GzipFile(fileobj=raw))
     if path.name.endswith('.zst'):
-        # RedPajama's .zst files may hold several frames; without read_across_frames only the first would be read.
+        # RedPajama's .zst files may hold several frames (the tests write two); never stop at a frame boundary.
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
         return stack.enter_context(io.BufferedReader(reader))
     return raw
@@ -146,16 +151,20 @@ class InputFile:
 
 def collect_inputs(inputs: Iterable[str | Path], domain: str | None = None) -> list[InputFile]:
     """Every input file, sorted by path, each with its domain. Fails before any tokenizing on an unknown domain."""
-    found: dict[Path, Path | None] = {}  # file -> the input folder it was found under (None: given directly)
+    # file -> the folder above which domain_of looks no further. For a folder input that is its parent, so
+    # `--input .../book` means book; for a file input, its grandparent, so only its own folder and name count.
+    # Paths are absolute, not resolved: hub caches symlink files to blobs named by hash.
+    inputs = list(inputs)
+    found: dict[Path, Path] = {}
     for item in inputs:
-        item = Path(item)
+        item = Path(item).absolute()
         if item.is_dir():
             for path in sorted(p for p in item.rglob('*') if p.is_file() and is_jsonl(p)):
-                found.setdefault(path.resolve(), item)
+                found.setdefault(path, item.parent)
         elif item.is_file():
             if not is_jsonl(item):
                 raise DataPrepError(f'input {item} is not a RedPajama file (expected one of {", ".join(SUFFIXES)})')
-            found.setdefault(item.resolve(), None)
+            found.setdefault(item, item.parent.parent)
         else:
             raise DataPrepError(f'input not found: {item}')
     if not found:
@@ -173,7 +182,9 @@ def collect_inputs(inputs: Iterable[str | Path], domain: str | None = None) -> l
         else:
             files.append(InputFile(index, path, file_domain))
     if unknown:
-        shown = '\n  '.join(str(p) for p in unknown[:10]) + (f'\n  ... and {len(unknown) - 10} more' if len(unknown) > 10 else '')
+        shown = '\n  '.join(str(p) for p in unknown[:10])
+        if len(unknown) > 10:
+            shown += f'\n  ... and {len(unknown) - 10} more'
         raise DataPrepError(
             f'cannot tell the domain of {len(unknown)} input file(s):\n  {shown}\n'
             f'Put each file under a folder named after its domain or start its name with "<domain>_" / "<domain>-", '
@@ -229,6 +240,9 @@ def _init_worker(tokenizer_path: str, in_pool: bool) -> None:
     if in_pool:  # several processes each running Rust's thread pool would oversubscribe the cores
         os.environ['TOKENIZERS_PARALLELISM'] = 'false'
     _worker_tokenizer = load_tokenizer(tokenizer_path)
+    # Whole documents are tokenized and then packed, so the model's context length does not apply; without this,
+    # transformers warns about every document longer than it.
+    _worker_tokenizer.model_max_length = sys.maxsize
 
 
 def _pack_file(job: FileJob) -> FileResult:
@@ -297,13 +311,13 @@ def _check_out(out: Path, overwrite: bool, files: list[InputFile], tokenizer: Pa
         raise DataPrepError(f'output folder {out} already exists and is not empty; pass --overwrite to replace it')
     # Replacing --out deletes it, so it must not hold what this run reads.
     resolved = out.resolve()
-    for path in [tokenizer.resolve(), *(f.path for f in files)]:
+    for path in [tokenizer.resolve(), *(f.path.resolve() for f in files)]:
         if path == resolved or resolved in path.parents:
             raise DataPrepError(f'--out {out} contains the input {path}; choose an output folder outside the inputs')
 
 
 def _run_jobs(jobs: list[FileJob], tokenizer_path: str, workers: int, progress: bool) -> list[FileResult]:
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     results: list[FileResult] = []
     documents = tokens = 0
@@ -317,7 +331,9 @@ def _run_jobs(jobs: list[FileJob], tokenizer_path: str, workers: int, progress: 
             pool = stack.enter_context(
                 multiprocessing.get_context('spawn').Pool(workers, _init_worker, (tokenizer_path, True))
             )
-            outcomes = pool.imap_unordered(_pack_file, jobs)
+            # Largest files first, so one big file started last does not leave the other workers idle.
+            by_size = sorted(jobs, key=lambda job: job.file.path.stat().st_size, reverse=True)
+            outcomes = pool.imap_unordered(_pack_file, by_size)
         try:
             for result in outcomes:
                 results.append(result)
@@ -342,23 +358,19 @@ def _merge_split_indexes(root: Path, results: list[FileResult]) -> None:
                 split_dir = root / result.domain / split
                 parts.setdefault(split_dir, []).append(str(split_dir / result.subfolder / 'index.json'))
     for split_dir, index_files in parts.items():
-        with _quiet_root_logger():
+        with _quiet_merge_logs():
             merge_index(index_files, str(split_dir), keep_local=True)
 
 
 @contextlib.contextmanager
-def _quiet_root_logger() -> Iterator[None]:
-    """merge_index logs a notice about its temporary folder on the root logger for every call; hide just that."""
-
-    def drop_notice(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith('A temporary folder')
-
-    root = logging.getLogger()
-    root.addFilter(drop_notice)
+def _quiet_merge_logs() -> Iterator[None]:
+    """merge_index warns about its temporary folder and the existing split folder on every call: routine here."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
         yield
     finally:
-        root.removeFilter(drop_notice)
+        logging.disable(previous)
 
 
 def _build_manifest(results: list[FileResult], *, seq_len: int, tokenizer_path: Path, tokenizer: Any,
@@ -410,7 +422,7 @@ def _build_manifest(results: list[FileResult], *, seq_len: int, tokenizer_path: 
     }
 
 
-def _report_problems(results: list[FileResult], manifest: dict[str, Any], seq_len: int) -> None:
+def _report_and_check(results: list[FileResult], manifest: dict[str, Any], seq_len: int) -> None:
     for result in results:
         if result.skipped_lines:
             lines = ', '.join(map(str, result.bad_line_numbers))
@@ -480,24 +492,24 @@ def prep_redpajama(
     files = collect_inputs(inputs, domain)
     _check_out(out, overwrite, files, tokenizer_path)
     hf_tokenizer = load_tokenizer(tokenizer_path)
-    token_dtype = 'uint16' if len(hf_tokenizer) <= 1 << 16 else 'uint32'
+    token_dtype = token_dtype_for(len(hf_tokenizer))
     val_samples = math.ceil(val_tokens / seq_len)
 
     tmp = out.with_name(f'{out.name}.tmp-{os.getpid()}')
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     firsts = {f.domain: f for f in reversed(files)}  # files are sorted, so this keeps each domain's first file
     jobs = [
         FileJob(file=f, out_root=str(tmp), seq_len=seq_len, token_dtype=token_dtype, compression=compression,
                 val_samples=val_samples if firsts[f.domain] is f else 0, skip_bad_lines=skip_bad_lines)
         for f in files
     ]
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run whose process id this one reuses
     try:
+        tmp.mkdir(parents=True)
         results = _run_jobs(jobs, str(tokenizer_path), min(workers, len(jobs)), progress)
         manifest = _build_manifest(results, seq_len=seq_len, tokenizer_path=tokenizer_path, tokenizer=hf_tokenizer,
                                    token_dtype=token_dtype, compression=compression, val_tokens=val_tokens,
                                    val_samples=val_samples)
-        _report_problems(results, manifest, seq_len)
+        _report_and_check(results, manifest, seq_len)
         _merge_split_indexes(tmp, results)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + '\n')
         _replace_folder(tmp, out)
