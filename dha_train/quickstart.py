@@ -108,7 +108,8 @@ def _pretrain(out: Path, run: Path, seed: int, steps: int | None) -> dict:
     trainer.close()
     if not history['train']:
         raise RuntimeError(f'pretrain: nothing was trained; the checkpoints in {config.save_folder} are from a '
-                           'finished run whose history is gone. Run with --fresh.')
+                           'finished run whose loss history was not saved. Run with --fresh.')
+    out.mkdir(parents=True, exist_ok=True)
     (out / 'history.json').write_text(json.dumps(history))
     return {'checkpoint_folder': config.save_folder, 'history': str(out / 'history.json'),
             'batches': int(trainer.state.timestamp.batch)}
@@ -127,16 +128,20 @@ def _report(run: Path, history: dict, timings: dict) -> dict:
     per_domain = {}
     for domain, points in sorted(history['eval'].items()):
         first, last = points[0], points[-1]
-        per_domain[domain] = {'step0_batch': first[0], 'step0_loss': first[1], 'final_batch': last[0],
+        per_domain[domain] = {'first_batch': first[0], 'first_loss': first[1], 'final_batch': last[0],
                               'final_loss': last[1], 'reduction': 1.0 - last[1] / first[1]}
     plot = plot_loss_curve(history, run / 'loss_curve.png', title='quickstart: tiny MHA LLaMA')
     summary = {'per_domain_val_loss': per_domain, 'loss_curve': str(plot), 'stage_seconds': timings}
     (run / 'summary.json').write_text(json.dumps(summary, indent=2))
     print()
     print('quickstart summary')
-    print(f'  {"domain":<12} {"val loss @0":>12} {"final val loss":>15} {"reduction":>10}')
+    print(f'  {"domain":<12} {"first val loss":>15} {"final val loss":>15} {"reduction":>10}')
     for domain, row in per_domain.items():
-        print(f'  {domain:<12} {row["step0_loss"]:>12.4f} {row["final_loss"]:>15.4f} {row["reduction"]:>9.1%}')
+        first = f'{row["first_loss"]:.4f} @{row["first_batch"]}'
+        last = f'{row["final_loss"]:.4f} @{row["final_batch"]}'
+        print(f'  {domain:<12} {first:>15} {last:>15} {row["reduction"]:>9.1%}')
+    if any(row['first_batch'] > 0 for row in per_domain.values()):
+        print('  (this pretrain resumed from a checkpoint, so its first evaluation is not at batch 0)')
     print(f'  loss curve:  {plot}')
     print(f'  HF export:   {run / "export" / "hf"}')
     print(f'  stage times: ' + ', '.join(f'{k} {v}s' for k, v in timings.items()))
