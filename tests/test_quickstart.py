@@ -1,0 +1,45 @@
+"""The quickstart pipeline end to end with a short pretrain, then a second run that reuses every stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def _quickstart(out, *args):
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+    return subprocess.run([sys.executable, '-m', 'dha_train.cli', 'quickstart', '--out', str(out), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_quickstart_short_run_then_reuse(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / 'qs'
+    first = _quickstart(out, '--steps', '12')
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    summary = json.loads((out / 'summary.json').read_text())
+    rows = summary['per_domain_val_loss']
+    assert sorted(rows) == ['github', 'wikipedia']
+    for row in rows.values():
+        assert row['first_batch'] == 0 and row['final_batch'] == 12
+        assert row['final_loss'] < row['first_loss']
+    assert (out / 'loss_curve.png').stat().st_size > 10_000
+    manifest = json.loads((out / 'data' / 'manifest.json').read_text())
+    assert manifest['vocab_size'] == 4096 and manifest['seq_len'] == 256
+
+    model = AutoModelForCausalLM.from_pretrained(out / 'export' / 'hf', local_files_only=True)
+    assert model.config.num_hidden_layers >= 4 and model.config.num_attention_heads >= 8
+    assert model.config.num_key_value_heads == model.config.num_attention_heads  # an MHA teacher
+    tokenizer = AutoTokenizer.from_pretrained(out / 'export' / 'hf', local_files_only=True)
+    assert len(tokenizer) == 4096
+
+    second = _quickstart(out, '--steps', '12')
+    assert second.returncode == 0, second.stderr[-3000:]
+    for stage in ('corpus', 'tokenizer', 'data', 'pretrain', 'export'):
+        assert f'{stage}: reusing finished stage' in second.stdout
+    assert json.loads((out / 'summary.json').read_text())['per_domain_val_loss'] == rows
