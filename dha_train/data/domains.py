@@ -29,11 +29,8 @@ def domain_of(path: str | Path, root: str | Path | None = None) -> str | None:
     """
     path = Path(path)
     parts = path.parent.parts
-    if root is not None:
-        try:
-            parts = path.parent.resolve().relative_to(Path(root).resolve()).parts
-        except ValueError:
-            pass
+    if root is not None and path.parent.resolve().is_relative_to(Path(root).resolve()):
+        parts = path.parent.resolve().relative_to(Path(root).resolve()).parts
     for part in reversed(parts):
         if part in REDPAJAMA_PROPORTIONS:
             return part
