@@ -120,7 +120,8 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
                 raise ConfigError(f"{where}.root: data folder '{loader_cfg.root}' does not exist "
                                   '(write it with `dha-train data prep`)')
             check_data_matches_model(loader_cfg.root, vocab_size=llama_config.vocab_size,
-                                     max_seq_len=llama_config.max_position_embeddings, where=where)
+                                     max_seq_len=llama_config.max_position_embeddings, where=where,
+                                     tokenizer=tokenizer)
     train_loader = build_train_dataloader(config.train_loader, device_batch_size=device_batch_size, seed=config.seed)
     evaluators = []
     if config.eval_loader is not None:

@@ -80,3 +80,15 @@ def test_vocab_mismatch_between_data_and_model(recipe, data_root):
         check_data_matches_model(str(data_root), vocab_size=100, max_seq_len=64, where='train_loader')
     with pytest.raises(ConfigError, match='samples .* are 64 tokens long'):
         check_data_matches_model(str(data_root), vocab_size=384, max_seq_len=32, where='train_loader')
+
+
+def test_data_tokenized_with_another_tokenizer_is_refused(data_root, tokenizer_dir, tmp_path):
+    from dha_train.data.loaders import check_data_matches_model
+    from dha_train.data.tokenizer import load_tokenizer, train_byte_level_bpe
+
+    same = load_tokenizer(tokenizer_dir)
+    check_data_matches_model(str(data_root), vocab_size=384, max_seq_len=64, where='train_loader', tokenizer=same)
+    other = train_byte_level_bpe(['completely different text ' * 50, 'zebra quartz'] * 20, tmp_path / 'tok', 300)
+    with pytest.raises(ConfigError, match="token ids differ from the model's tokenizer"):
+        check_data_matches_model(str(data_root), vocab_size=384, max_seq_len=64, where='train_loader',
+                                 tokenizer=other)

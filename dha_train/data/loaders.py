@@ -8,7 +8,6 @@ Composer ``Evaluator`` per domain, so every domain reports its own LM loss and a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import torch
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
+from dha_train.data.prep import MANIFEST_NAME, TOKENS_COLUMN, read_manifest
 
-TOKENS_COLUMN = 'tokens'
 
 
 def collate_tokens(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -39,16 +38,18 @@ def domains_with_split(root: str, split: str) -> list[str]:
     return [d for d in DOMAINS if (_split_dir(root, d, split) / 'index.json').is_file()]
 
 
-def read_manifest(root: str) -> dict | None:
-    path = Path(root) / 'manifest.json'
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def check_data_matches_model(root: str, *, vocab_size: int, max_seq_len: int, where: str) -> None:
+def check_data_matches_model(root: str, *, vocab_size: int, max_seq_len: int, where: str, tokenizer=None) -> None:
     """Fail early on a tokenizer/vocab or sequence-length mismatch between the data and the model."""
+    from dha_train.data.tokenizer import tokenizer_fingerprint
+
+    if not (Path(root) / MANIFEST_NAME).is_file():
+        return  # MDS written by another tool: nothing to compare against
     manifest = read_manifest(root)
-    if manifest is None:
-        return
+    if tokenizer is not None and 'tokenizer_fingerprint' in manifest:
+        if tokenizer_fingerprint(tokenizer) != manifest['tokenizer_fingerprint']:
+            raise ConfigError(
+                f"{where}: data under {root} was tokenized with {manifest.get('tokenizer')}, whose token ids differ "
+                f"from the model's tokenizer {tokenizer.name_or_path}; prep the data with the model's tokenizer")
     if manifest['vocab_size'] > vocab_size:
         raise ConfigError(
             f"{where}: data under {root} was tokenized with a {manifest['vocab_size']}-token vocabulary "

@@ -35,7 +35,7 @@ import numpy as np
 import zstandard
 
 from dha_train.data.domains import DOMAINS, domain_of
-from dha_train.data.tokenizer import load_tokenizer
+from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 SPLITS = ('train', 'val')
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
@@ -412,6 +412,7 @@ def _build_manifest(results: list[FileResult], *, seq_len: int, tokenizer_path: 
         'seq_len': seq_len,
         'tokenizer': str(tokenizer_path.resolve()),
         'vocab_size': len(tokenizer),
+        'tokenizer_fingerprint': tokenizer_fingerprint(tokenizer),
         'bos_token_id': tokenizer.bos_token_id,
         'eos_token_id': tokenizer.eos_token_id,
         'column': TOKENS_COLUMN,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -54,3 +56,10 @@ def load_tokenizer(path: str | Path):
     if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
         raise ValueError(f'tokenizer at {path} has no BOS or EOS token; packing needs both')
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the token -> id map and the BOS/EOS ids: equal fingerprints mean the same token ids."""
+    identity = {'vocab': sorted(tokenizer.get_vocab().items()), 'bos': tokenizer.bos_token_id,
+                'eos': tokenizer.eos_token_id}
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
