@@ -1,0 +1,1 @@
+"""Pure tensor maths, no Composer."""
