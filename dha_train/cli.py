@@ -1,4 +1,4 @@
-"""`dha-train`: quickstart, data prep, train, export, bench."""
+"""`dha-train`: quickstart, data prep, train, convert, export, bench."""
 
 from __future__ import annotations
 
@@ -32,6 +32,23 @@ def _export(args) -> int:
     out = export_hf(args.checkpoint, args.out_dir, tokenizer=args.tokenizer, dtype=args.dtype,
                     overwrite=args.overwrite)
     print(f'dha-train export: wrote {out}')
+    return 0
+
+
+def _convert(args) -> int:
+    from dha_train.convert import convert_checkpoint
+    from dha_train.models.head_map import HeadMap
+
+    if args.head_map is not None:
+        head_map = HeadMap.load(args.head_map)
+    else:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, args.kv_heads, head_dim)
+    out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
+    print(f'dha-train convert: wrote {out} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)')
     return 0
 
 
@@ -75,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument('--overwrite', action='store_true')
     export.set_defaults(func=_export)
 
+    convert = commands.add_parser('convert', help='mean-pool the K/V heads of an MHA HF folder to a head map '
+                                  '(the GQA baseline)')
+    convert.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
+    convert.add_argument('out_dir')
+    target = convert.add_mutually_exclusive_group(required=True)
+    target.add_argument('--head-map', default=None, help='a head_map.json')
+    target.add_argument('--kv-heads', type=int, default=None, help='contiguous GQA with this many K/V heads per layer')
+    convert.add_argument('--overwrite', action='store_true')
+    convert.set_defaults(func=_convert)
+
     bench = commands.add_parser('bench', help='benchmarks').add_subparsers(dest='bench_command', required=True)
     throughput = bench.add_parser('throughput', help='training tokens/s: 1 process vs 2 processes with FSDP2')
     throughput.add_argument('--models', nargs='+', default=['tiny', 'small'])
@@ -90,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     from dha_train.config import ConfigError
     from dha_train.data.prep import DataPrepError
     from dha_train.export import CheckpointError
+    from dha_train.models.head_map import HeadMapError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, DataPrepError, FileExistsError, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, DataPrepError, HeadMapError, FileExistsError, FileNotFoundError) as exc:
         print(f'dha-train: error: {exc}', file=sys.stderr)
         return 2
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
+
+from dha_train.paths import staged_folder
 
 LATEST = 'latest-rank0.pt'
 
@@ -96,19 +97,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     model = model.to(getattr(torch, dtype))
     model.config.torch_dtype = getattr(torch, dtype)
 
-    # Write next to the target and swap in at the end, so a failed export never leaves a half-written folder.
-    staging = Path(tempfile.mkdtemp(prefix=f'.{out_dir.name}.', dir=out_dir.parent if out_dir.parent.exists() else None))
-    try:
+    with staged_folder(out_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     if hf_tokenizer is None:
         print(f'dha-train export: warning: {path} carries no tokenizer; pass --tokenizer to include one')
     return out_dir

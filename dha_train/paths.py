@@ -1,7 +1,10 @@
-"""Where the repository's recipes live (the package is installed editable from the repository)."""
+"""Where the repository's recipes live, and writing output folders safely."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -15,3 +18,24 @@ def recipe_path(name: str) -> Path:
         raise FileNotFoundError(f'recipe {name} not found under {YAMLS}; install dha_train editable from its '
                                 'repository (pip install -e .)')
     return path
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str | Path, overwrite: bool = False):
+    """Yield a temporary sibling folder to write into; on success it replaces ``out_dir``, on failure it is removed.
+
+    A failed export or conversion therefore never leaves a half-written folder, nor deletes the old one.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f'.{out_dir.name}.', dir=out_dir.parent))
+    try:
+        yield staging
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        shutil.move(str(staging), out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
