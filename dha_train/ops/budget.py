@@ -1,0 +1,120 @@
+"""Per-layer K and V head budgets by dynamic programming (DHA Search, seed 000 section 4.3 and App. B.4).
+
+One total KV-head budget is shared by the K and V projections of all layers, so K and V may get different counts
+in a layer. Each (layer, kind) slot picks a head count from an allowed list (default: the divisors of H, so every
+count forms equal groups); the counts must sum exactly to the total and minimise the summed cost. The paper's main
+text calls this dynamic programming; its Alg. 5 adds heads in steps of 4 and can produce counts that do not divide H,
+so it is not reproduced (DESIGN.md section 5).
+
+Costs are ``cost[layer][kind][count]`` (any nested indexable: lists, dicts, arrays) or a callable
+``cost(layer, kind, count)``; kind is ``KEY`` (0) or ``VALUE`` (1). ``fusion_loss_costs`` builds a table from
+per-layer fusion-loss scores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+KEY, VALUE = 0, 1
+KINDS = (KEY, VALUE)
+CostFn = Callable[[int, int, int], float]
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n in increasing order: the head counts that split n query heads into equal groups."""
+    if n < 1:
+        raise ValueError(f'need a positive integer, got {n}')
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cost_fn(cost: Any) -> CostFn:
+    if callable(cost):
+        return cost
+    return lambda layer, kind, count: cost[layer][kind][count]
+
+
+def _allowed_counts(num_heads: int, allowed: Sequence[int] | None) -> list[int]:
+    counts = divisors(num_heads) if allowed is None else sorted({int(c) for c in allowed})
+    if not counts or counts[0] < 1 or counts[-1] > num_heads:
+        raise ValueError(f'allowed head counts must be non-empty and within 1..{num_heads}, got {allowed}')
+    return counts
+
+
+def allocate_kv_heads(cost: Any, num_layers: int, num_heads: int, total_heads: int,
+                      allowed: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """(K count, V count) per layer, summing exactly to ``total_heads`` over all layers and both kinds, at least cost.
+
+    A knapsack over the 2L slots: ``best[t]`` is the least cost of the slots seen so far using t heads in total, and
+    each slot extends it by every allowed count. O(L * 2 * |allowed| * total_heads) time; ties go to the smaller
+    count in the earlier slot. Raises ValueError when no choice of allowed counts reaches the total.
+    """
+    if num_layers < 1:
+        raise ValueError(f'num_layers must be >= 1, got {num_layers}')
+    counts = _allowed_counts(num_heads, allowed)
+    lowest, highest = 2 * num_layers * counts[0], 2 * num_layers * counts[-1]
+    if not lowest <= total_heads <= highest:
+        raise ValueError(f'total_heads={total_heads} is unreachable with counts {counts} over {num_layers} layers x '
+                         f'K and V: reachable totals lie between {lowest} and {highest}')
+    cost_of = _cost_fn(cost)
+    slots = [(layer, kind) for layer in range(num_layers) for kind in KINDS]
+
+    best = np.full(total_heads + 1, math.inf)
+    best[0] = 0.0
+    choices = np.zeros((len(slots), total_heads + 1), dtype=np.int64)  # index into counts taken by each slot
+    for slot, (layer, kind) in enumerate(slots):
+        candidates = np.full((len(counts), total_heads + 1), math.inf)
+        for index, count in enumerate(counts):
+            if count > total_heads:
+                break
+            value = float(cost_of(layer, kind, count))
+            if math.isnan(value):
+                raise ValueError(f'cost(layer={layer}, kind={kind}, count={count}) is NaN')
+            candidates[index, count:] = best[:total_heads + 1 - count] + value
+        choices[slot] = candidates.argmin(axis=0)
+        best = candidates[choices[slot], np.arange(total_heads + 1)]
+
+    if math.isinf(best[total_heads]):
+        raise ValueError(f'total_heads={total_heads} is unreachable with counts {counts} over {num_layers} layers x '
+                         f'K and V: reachable totals lie between {lowest} and {highest} but not every total in '
+                         f'between is a sum of allowed counts (nor may a finite-cost choice reach it)')
+    picked = [0] * len(slots)
+    remaining = total_heads
+    for slot in reversed(range(len(slots))):
+        picked[slot] = counts[choices[slot, remaining]]
+        remaining -= picked[slot]
+    return [(picked[2 * layer], picked[2 * layer + 1]) for layer in range(num_layers)]
+
+
+def allocation_cost(cost: Any, allocation: Sequence[tuple[int, int]]) -> float:
+    """Total cost of an allocation [(K count, V count) per layer] under the same cost table or callable."""
+    cost_of = _cost_fn(cost)
+    return float(sum(cost_of(layer, kind, counts[kind]) for layer, counts in enumerate(allocation) for kind in KINDS))
+
+
+def compression_penalty(count: int, num_heads: int) -> float:
+    """H / count - 1: zero at full MHA, growing with the number of query heads that share one K or V head."""
+    return num_heads / count - 1.0
+
+
+def fusion_loss_costs(scores: Sequence[Sequence[float]] | np.ndarray, num_heads: int,
+                      allowed: Sequence[int] | None = None,
+                      penalty: Callable[[int, int], float] = compression_penalty) -> list[list[dict[int, float]]]:
+    """Cost table ``cost[layer][kind][count] = scores[layer][kind] * penalty(count, num_heads)``.
+
+    ``scores`` is (L, 2): a per-layer fusion-loss-like number for K and for V (e.g. the summed Search-stage head
+    distances, Eq. 6). This is a modelling choice, not the paper's formula: Alg. 5 only says that layers with a higher
+    fusion loss get more heads, and a cost that grows with score x compression gives exactly that under the DP.
+    Swap ``penalty`` (or pass any callable to ``allocate_kv_heads``) to model it differently.
+    """
+    table = np.asarray(scores, dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != 2:
+        raise ValueError(f'scores must have shape (num_layers, 2) for K and V, got {table.shape}')
+    if not np.isfinite(table).all():
+        raise ValueError('scores contain NaN or infinite entries')
+    counts = _allowed_counts(num_heads, allowed)
+    return [[{count: float(table[layer, kind]) * penalty(count, num_heads) for count in counts} for kind in KINDS]
+            for layer in range(table.shape[0])]

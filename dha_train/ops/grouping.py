@@ -1,0 +1,432 @@
+"""Head grouping searches on a per-layer head similarity matrix.
+
+Everything here maximises *similarity*: S[i, j] is large when heads i and j should share a K (or V) head. Callers
+holding a distance (DHA's fusion loss L_head, Eq. 6) pass its negation.
+
+- ``within_group_score``: the objective of seed 001 Eq. 23-24 and of seed 000 Alg. 4's CALCULATE_SCORE.
+- ``anneal_equal_groups``: simulated annealing over equal-size groups with random restarts (seed 000 Alg. 4, seed 001
+  Alg. 2), with O(1) incremental swap deltas instead of a full rescore per proposal (DESIGN.md section 6).
+- ``symmetric_search`` / ``asymmetric_search``: AsymGQA's fitness-driven searches (seed 004 App. A, Alg. 1 and 2).
+- ``neighbour_groups``: contiguous equal groups, the GQA baseline (seed 004 section 2.1).
+
+A partition is a list of groups; each group is a sorted list of head indices, groups are sorted by their first head
+and every head appears exactly once. An assignment is the same information as an int array head -> group id.
+Scoring runs in float64 numpy; torch tensors are accepted as inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+Partition = list[list[int]]
+Fitness = Callable[[Partition], float]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation and conversions
+# ----------------------------------------------------------------------------------------------------------------
+
+def as_similarity(similarity: Any, *, atol: float = 1e-8) -> np.ndarray:
+    """A float64 copy of a square, finite, symmetric matrix (numpy array, torch tensor or nested lists)."""
+    if hasattr(similarity, 'detach'):  # torch tensor, possibly on an accelerator
+        similarity = similarity.detach().cpu().double().numpy()
+    matrix = np.array(similarity, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
+        raise ValueError(f'similarity must be a non-empty square matrix, got shape {matrix.shape}')
+    if not np.isfinite(matrix).all():
+        raise ValueError('similarity contains NaN or infinite entries')
+    if not np.allclose(matrix, matrix.T, rtol=0.0, atol=atol * max(1.0, float(np.abs(matrix).max()))):
+        raise ValueError('similarity must be symmetric (S[i, j] == S[j, i])')
+    return matrix
+
+
+def validate_partition(partition: Sequence[Sequence[int]], num_heads: int) -> None:
+    """Raise ValueError unless ``partition`` has non-empty groups covering heads 0..num_heads-1 exactly once."""
+    heads: list[int] = []
+    for group in partition:
+        if len(group) == 0:
+            raise ValueError(f'empty group in partition {partition}')
+        heads.extend(int(h) for h in group)
+    if sorted(heads) != list(range(num_heads)):
+        raise ValueError(f'partition {partition} must cover heads 0..{num_heads - 1} exactly once')
+
+
+def canonical_partition(partition: Sequence[Sequence[int]]) -> Partition:
+    """Sort heads inside each group and groups by their first head, so equal groupings compare equal."""
+    return sorted((sorted(int(h) for h in group) for group in partition), key=lambda group: group[0])
+
+
+def partition_to_assignment(partition: Sequence[Sequence[int]], num_heads: int) -> np.ndarray:
+    """Partition -> int array head -> group id (group ids in the order the groups are given)."""
+    validate_partition(partition, num_heads)
+    assignment = np.empty(num_heads, dtype=np.int64)
+    for group_id, group in enumerate(partition):
+        assignment[list(group)] = group_id
+    return assignment
+
+
+def assignment_to_partition(assignment: Sequence[int] | np.ndarray) -> Partition:
+    """Int array head -> group id -> canonical partition (group ids need not be contiguous)."""
+    groups: dict[int, list[int]] = {}
+    for head, group_id in enumerate(np.asarray(assignment).tolist()):
+        groups.setdefault(group_id, []).append(head)
+    return canonical_partition(groups.values())
+
+
+def _check_equal_groups(num_heads: int, num_groups: int) -> int:
+    """Group size for an equal split; ValueError when the heads do not divide evenly."""
+    if num_groups < 1 or num_groups > num_heads:
+        raise ValueError(f'num_groups must be in 1..{num_heads}, got {num_groups}')
+    if num_heads % num_groups:
+        raise ValueError(f'{num_heads} heads cannot form {num_groups} equal groups '
+                         f'({num_heads} is not divisible by {num_groups})')
+    return num_heads // num_groups
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Objective and incremental deltas
+# ----------------------------------------------------------------------------------------------------------------
+
+def within_group_score(similarity: Any, partition: Sequence[Sequence[int]]) -> float:
+    """Sum over groups of S[i, j] over unordered pairs i < j in the group (seed 001 Eq. 23-24).
+
+    Seed 000 Alg. 4 computes the same number as the full double sum over each group divided by two; the diagonal
+    (a head with itself) never counts.
+    """
+    matrix = as_similarity(similarity)
+    validate_partition(partition, matrix.shape[0])
+    return _assignment_score(_zero_diagonal(matrix), partition_to_assignment(partition, matrix.shape[0]))
+
+
+def _zero_diagonal(matrix: np.ndarray) -> np.ndarray:
+    out = matrix.copy()
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def _assignment_score(off_diagonal: np.ndarray, assignment: np.ndarray) -> float:
+    """``within_group_score`` from an assignment, O(H^2): half the sum of S over same-group ordered pairs."""
+    same_group = assignment[:, None] == assignment[None, :]
+    return 0.5 * float(off_diagonal[same_group].sum())
+
+
+def swap_delta(similarity: Any, assignment: Sequence[int] | np.ndarray, i: int, j: int) -> float:
+    """Exact change of ``within_group_score`` when heads i and j (in different groups A and B) swap groups.
+
+    After the swap i sits with B - {j} and j with A - {i}, so with A' = A - {i} and B' = B - {j} the change is
+    sum_{k in B'} S[i, k] - sum_{k in A'} S[i, k] + sum_{k in A'} S[j, k] - sum_{k in B'} S[j, k].
+    It reads only the two groups' members (one O(H) mask, no rescore). The annealer keeps these per-group sums
+    cached (``_GroupSums``), so its proposals cost O(1).
+    """
+    matrix = as_similarity(similarity)
+    groups = np.asarray(assignment)
+    if groups.shape != (matrix.shape[0],):
+        raise ValueError(f'assignment must have one group id per head ({matrix.shape[0]}), got shape {groups.shape}')
+    group_a, group_b = groups[i], groups[j]
+    if group_a == group_b:
+        raise ValueError(f'heads {i} and {j} are both in group {group_a}; a swap needs different groups')
+    in_a = groups == group_a
+    in_b = groups == group_b
+    in_a[i] = False
+    in_b[j] = False
+    return float(matrix[i, in_b].sum() - matrix[i, in_a].sum() + matrix[j, in_a].sum() - matrix[j, in_b].sum())
+
+
+class _SwapState:
+    """Equal-size groups under annealing: a members table (group, position) -> head, as seed 000 Alg. 4 keeps, the
+    matching assignment and the current score. Subclasses say how a proposal's delta is computed."""
+
+    def __init__(self, off_diagonal: np.ndarray, members: np.ndarray):
+        self.off_diagonal = off_diagonal
+        self.members = members.copy()
+        self.assignment = np.empty(off_diagonal.shape[0], dtype=np.int64)
+        for group_id, group in enumerate(self.members):
+            self.assignment[group] = group_id
+        self.score = _assignment_score(off_diagonal, self.assignment)
+
+    def delta(self, i: int, j: int) -> float:
+        raise NotImplementedError
+
+    def swap(self, group_a: int, pos_a: int, group_b: int, pos_b: int, delta: float) -> None:
+        i, j = self.members[group_a, pos_a], self.members[group_b, pos_b]
+        self.members[group_a, pos_a], self.members[group_b, pos_b] = j, i
+        self.assignment[i], self.assignment[j] = group_b, group_a
+        self.score += delta
+
+
+class _GroupSums(_SwapState):
+    """O(1) swap deltas from cached sums: ``sums[g, h]`` = sum of S[h, k] over heads k != h in group g.
+
+    The delta is ``swap_delta`` read from the cache; an accepted swap updates two rows of it in O(H).
+    """
+
+    def __init__(self, off_diagonal: np.ndarray, members: np.ndarray):
+        super().__init__(off_diagonal, members)
+        one_hot = np.zeros((members.shape[0], off_diagonal.shape[0]))
+        one_hot[self.assignment, np.arange(off_diagonal.shape[0])] = 1.0
+        self.sums = one_hot @ off_diagonal
+
+    def delta(self, i: int, j: int) -> float:
+        a, b = self.assignment[i], self.assignment[j]
+        sums = self.sums
+        return float(sums[b, i] - sums[a, i] + sums[a, j] - sums[b, j] - 2.0 * self.off_diagonal[i, j])
+
+    def swap(self, group_a: int, pos_a: int, group_b: int, pos_b: int, delta: float) -> None:
+        change = self.off_diagonal[self.members[group_b, pos_b]] - self.off_diagonal[self.members[group_a, pos_a]]
+        self.sums[group_a] += change
+        self.sums[group_b] -= change
+        super().swap(group_a, pos_a, group_b, pos_b, delta)
+
+
+class _FullRescore(_SwapState):
+    """Reference that rescores the whole partition (O(H^2)) per proposal, as the papers' anchor code does."""
+
+    def delta(self, i: int, j: int) -> float:
+        proposal = self.assignment.copy()
+        proposal[i], proposal[j] = proposal[j], proposal[i]
+        return _assignment_score(self.off_diagonal, proposal) - self.score
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Simulated annealing over equal-size groups
+# ----------------------------------------------------------------------------------------------------------------
+
+def _default_temperatures(off_diagonal: np.ndarray, group_size: int) -> tuple[float, float]:
+    """Start near the typical |swap delta| (about 2 sqrt(g) std(S)) so early swaps are accepted freely; end 1000x lower.
+
+    Seed 000 Alg. 4 uses T = 100 -> 0.001 with alpha = 0.9 (about 110 proposals) on raw MSE scores; fixed absolute
+    temperatures depend on the scale of S, so the defaults here scale with it instead.
+    """
+    spread = float(off_diagonal[~np.eye(off_diagonal.shape[0], dtype=bool)].std())
+    t_start = 2.0 * math.sqrt(group_size) * spread if spread > 0 else 1.0
+    return t_start, 1e-3 * t_start
+
+
+def _anneal(state_type: type[_SwapState], similarity: Any, num_groups: int, restarts: int, steps: int | None,
+            t_start: float | None, t_end: float | None, seed: int) -> Partition:
+    """Shared loop of ``anneal_equal_groups`` and ``full_rescore_anneal``: same random draws, same acceptance."""
+    matrix = as_similarity(similarity)
+    num_heads = matrix.shape[0]
+    group_size = _check_equal_groups(num_heads, num_groups)
+    steps = 100 * num_heads if steps is None else steps
+    if restarts < 1 or steps < 1:
+        raise ValueError(f'restarts and steps must be >= 1, got restarts={restarts}, steps={steps}')
+    if num_groups == 1 or group_size == 1:  # a single partition exists up to relabelling
+        return neighbour_groups(num_heads, num_groups)
+    off_diagonal = _zero_diagonal(matrix)
+    default_start, default_end = _default_temperatures(off_diagonal, group_size)
+    t_start = default_start if t_start is None else t_start
+    t_end = default_end if t_end is None else t_end
+    if not 0 < t_end <= t_start:
+        raise ValueError(f'temperatures must satisfy 0 < t_end <= t_start, got t_start={t_start}, t_end={t_end}')
+    # Geometric cooling: T_s = t_start * (t_end / t_start) ** (s / (steps - 1)).
+    temperatures = (t_start * (t_end / t_start) ** (np.arange(steps) / max(steps - 1, 1))).tolist()
+
+    rng = np.random.default_rng(seed)
+    best_score, best_assignment = -math.inf, None
+    for _ in range(restarts):
+        state = state_type(off_diagonal, rng.permutation(num_heads).reshape(num_groups, group_size))
+        if state.score > best_score:
+            best_score, best_assignment = state.score, state.assignment.copy()
+        # Draw every proposal up front: group a, a non-zero offset to a different group b, a slot in each.
+        groups_a = rng.integers(num_groups, size=steps)
+        groups_b = ((groups_a + rng.integers(1, num_groups, size=steps)) % num_groups).tolist()
+        positions = rng.integers(group_size, size=(2, steps)).tolist()
+        uniforms = rng.random(steps).tolist()
+        for step, group_a in enumerate(groups_a.tolist()):
+            group_b, pos_a, pos_b = groups_b[step], positions[0][step], positions[1][step]
+            delta = state.delta(state.members[group_a, pos_a], state.members[group_b, pos_b])
+            # Metropolis: always take improvements, take a loss with probability exp(delta / T).
+            if delta >= 0 or uniforms[step] < math.exp(delta / temperatures[step]):
+                state.swap(group_a, pos_a, group_b, pos_b, delta)
+                if state.score > best_score:
+                    best_score, best_assignment = state.score, state.assignment.copy()
+    return assignment_to_partition(best_assignment)
+
+
+def anneal_equal_groups(similarity: Any, num_groups: int, *, restarts: int = 8, steps: int | None = None,
+                        t_start: float | None = None, t_end: float | None = None, seed: int = 0) -> Partition:
+    """Equal-size grouping maximising ``within_group_score`` by simulated annealing (seed 000 Alg. 4, seed 001 Alg. 2).
+
+    Each of ``restarts`` runs starts from a random equal split and makes ``steps`` proposals (default 100 x H); a
+    proposal swaps two heads from different groups and is accepted by the Metropolis rule under a geometric schedule
+    from ``t_start`` to ``t_end`` (defaults scale with the spread of S, see ``_default_temperatures``). Returns the
+    best partition seen over all restarts; deterministic for a seed. Each proposal costs O(1) and each accepted swap
+    O(H), against O(H^2) for a full rescore.
+    """
+    return _anneal(_GroupSums, similarity, num_groups, restarts, steps, t_start, t_end, seed)
+
+
+def full_rescore_anneal(similarity: Any, num_groups: int, *, restarts: int = 8, steps: int | None = None,
+                        t_start: float | None = None, t_end: float | None = None, seed: int = 0) -> Partition:
+    """``anneal_equal_groups`` rescoring the whole partition (O(H^2)) per proposal, as the papers' code does.
+
+    For benchmarks and tests only.
+
+    Same random draws and acceptance rule, so for a seed it returns the same partition (up to float round-off ties).
+    """
+    return _anneal(_FullRescore, similarity, num_groups, restarts, steps, t_start, t_end, seed)
+
+
+def neighbour_groups(num_heads: int, num_groups: int) -> Partition:
+    """Contiguous equal groups [0..g-1], [g..2g-1], ...: the neighbour-grouping baseline (seed 004 section 2.1)."""
+    group_size = _check_equal_groups(num_heads, num_groups)
+    return [list(range(start, start + group_size)) for start in range(0, num_heads, group_size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# AsymGQA searches (seed 004 App. A)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_probability(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f'{name} must be a probability in [0, 1], got {value}')
+
+
+def _random_assignment(rng: np.random.Generator, num_heads: int, num_groups: int) -> np.ndarray:
+    """A random grouping with near-equal sizes (equal when H divides): Alg. 1/2's P ~ Uniform(permutation(S))."""
+    assignment = np.empty(num_heads, dtype=np.int64)
+    for group_id, heads in enumerate(np.array_split(rng.permutation(num_heads), num_groups)):
+        assignment[heads] = group_id
+    return assignment
+
+
+def _similar_head(rng: np.random.Generator, matrix: np.ndarray, assignment: np.ndarray, head: int,
+                  top_k: int) -> int:
+    """Uniform pick among the top-k heads most similar to ``head`` outside its group (Alg. 1/2: H <- top-k(S, a))."""
+    outside = np.flatnonzero(assignment != assignment[head])
+    order = np.argsort(-matrix[head, outside], kind='stable')[:top_k]
+    return int(outside[order[rng.integers(len(order))]])
+
+
+def _start(rng: np.random.Generator, initial: Sequence[Sequence[int]] | None, num_heads: int,
+           num_groups: int) -> np.ndarray:
+    if initial is None:
+        return _random_assignment(rng, num_heads, num_groups)
+    if len(initial) != num_groups:
+        raise ValueError(f'initial partition has {len(initial)} groups, expected {num_groups}')
+    return partition_to_assignment(initial, num_heads)
+
+
+def _fitness_search(similarity: Any, num_groups: int, fitness: Fitness, propose: Callable[..., np.ndarray | None],
+                    iterations: int, top_k: int, p_acc: float, p_reset: float, reset_to: str, seed: int,
+                    initial: Sequence[Sequence[int]] | None) -> tuple[Partition, float]:
+    """The loop shared by Alg. 1 and 2: reset, propose a move towards a similar head, accept, track the best.
+
+    Acceptance: a proposal is taken when it beats the *current* grouping, or with probability p_acc otherwise. Alg. 1
+    compares against the best accuracy seen instead; with ``reset_to='best'`` the two differ only after a p_acc step.
+    """
+    matrix = as_similarity(similarity)
+    num_heads = matrix.shape[0]
+    if not 1 <= num_groups <= num_heads:
+        raise ValueError(f'num_groups must be in 1..{num_heads}, got {num_groups}')
+    if iterations < 0 or top_k < 1:
+        raise ValueError(f'need iterations >= 0 and top_k >= 1, got iterations={iterations}, top_k={top_k}')
+    _check_probability('p_acc', p_acc)
+    _check_probability('p_reset', p_reset)
+    if reset_to not in ('best', 'random'):
+        raise ValueError(f"reset_to must be 'best' or 'random', got {reset_to!r}")
+
+    rng = np.random.default_rng(seed)
+    current = _start(rng, initial, num_heads, num_groups)
+    current_fitness = float(fitness(assignment_to_partition(current)))
+    best, best_fitness = current.copy(), current_fitness
+    if num_groups in (1, num_heads):  # one group, or H groups of one (none may be empty): nothing to search
+        return assignment_to_partition(best), best_fitness
+    for _ in range(iterations):
+        if rng.random() < p_reset:
+            if reset_to == 'best':
+                current, current_fitness = best.copy(), best_fitness
+            else:
+                current = _random_assignment(rng, num_heads, num_groups)
+                current_fitness = float(fitness(assignment_to_partition(current)))
+        head = int(rng.integers(num_heads))
+        target = _similar_head(rng, matrix, current, head, top_k)
+        proposal = propose(rng, current, head, target)
+        if proposal is None:
+            continue
+        proposal_fitness = float(fitness(assignment_to_partition(proposal)))
+        if proposal_fitness > current_fitness or rng.random() < p_acc:
+            current, current_fitness = proposal, proposal_fitness
+            if current_fitness > best_fitness:
+                best, best_fitness = current.copy(), current_fitness
+    return assignment_to_partition(best), best_fitness
+
+
+def _swap_into_group(rng: np.random.Generator, assignment: np.ndarray, head: int, target: int) -> np.ndarray | None:
+    """Move ``head`` into the group of ``target`` and send back another member of that group (sizes preserved).
+
+    The member sent back excludes ``target`` itself, else the swap would separate the pair it meant to join.
+    """
+    group_a, group_b = assignment[head], assignment[target]
+    others = np.flatnonzero(assignment == group_b)
+    others = others[others != target]
+    if len(others) == 0:
+        return None
+    proposal = assignment.copy()
+    proposal[head] = group_b
+    proposal[others[rng.integers(len(others))]] = group_a
+    return proposal
+
+
+def symmetric_search(similarity: Any, num_groups: int, fitness: Fitness, *, iterations: int, top_k: int = 3,
+                     p_acc: float = 0.1, p_reset: float = 0.1, reset_to: Literal['best', 'random'] = 'best',
+                     seed: int = 0, initial: Sequence[Sequence[int]] | None = None) -> tuple[Partition, float]:
+    """Equal-size grouping search driven by a caller's fitness (seed 004 App. A, Alg. 1). Higher fitness is better.
+
+    Per iteration: with probability p_reset reset the current grouping; pick a random head a, pick b uniformly among
+    the top_k heads most similar to a outside a's group, swap a with another member of b's group; evaluate the
+    fitness (one call per iteration); accept when it improves on the current grouping, or with probability p_acc.
+    ``reset_to='best'`` returns to the best grouping seen (no extra fitness call); ``'random'`` draws a fresh random
+    equal grouping as Alg. 1 line 292 does (one extra fitness call). The start is random unless ``initial`` is given.
+    Paper settings: top_k=3, p_acc=0.1, p_reset=0.1. Returns (best partition, its fitness).
+    """
+    matrix = as_similarity(similarity)
+    _check_equal_groups(matrix.shape[0], num_groups)
+    if initial is not None and len({len(group) for group in initial}) != 1:
+        raise ValueError(f'initial partition {initial} must have equal group sizes')
+    return _fitness_search(matrix, num_groups, fitness, _swap_into_group, iterations, top_k, p_acc, p_reset,
+                           reset_to, seed, initial)
+
+
+def asymmetric_search(similarity: Any, num_groups: int, fitness: Fitness, *, iterations: int,
+                      p_preserve: float = 0.2, top_k: int = 3, p_acc: float = 0.1, p_reset: float = 0.1,
+                      reset_to: Literal['best', 'random'] = 'best', seed: int = 0, min_group_size: int = 1,
+                      initial: Sequence[Sequence[int]] | None = None) -> tuple[Partition, float]:
+    """Grouping search whose groups may differ in size (AsymGQA, seed 004 App. A, Alg. 2). Higher fitness is better.
+
+    As ``symmetric_search``, but the move is: with probability p_preserve a size-preserving swap (a joins b's group,
+    another member of b's group goes back to a's group, Alg. 2 lines "if y < p_preserve"), otherwise a alone moves
+    into b's group, changing both sizes by one. The number of groups stays ``num_groups``: a move that would leave
+    a's group below ``min_group_size`` (never empty) is replaced by the swap, and a swap impossible because b is
+    alone in its group is replaced by the move; when neither is allowed the iteration is skipped.
+
+    Paper ambiguity: the text says a larger p_preserve gives more unbalanced groups, but Alg. 2 and the parameter's
+    name make p_preserve the probability of keeping sizes; we follow the algorithm (paper setting p_preserve=0.2).
+    Random starts and ``reset_to='random'`` resets use near-equal sizes (Alg. 2 draws groups of size m).
+    """
+    matrix = as_similarity(similarity)
+    num_heads = matrix.shape[0]
+    _check_probability('p_preserve', p_preserve)
+    if min_group_size < 1 or num_groups * min_group_size > num_heads:
+        raise ValueError(f'min_group_size={min_group_size} is impossible for {num_groups} groups of {num_heads} heads')
+    if initial is not None and min(len(group) for group in initial) < min_group_size:
+        raise ValueError(f'initial partition {initial} has a group smaller than min_group_size={min_group_size}')
+
+    def move_into_group(rng: np.random.Generator, assignment: np.ndarray, head: int,
+                        target: int) -> np.ndarray | None:
+        can_move = int((assignment == assignment[head]).sum()) > min_group_size
+        if rng.random() < p_preserve or not can_move:
+            swapped = _swap_into_group(rng, assignment, head, target)
+            if swapped is not None or not can_move:
+                return swapped
+        proposal = assignment.copy()
+        proposal[head] = assignment[target]
+        return proposal
+
+    return _fitness_search(matrix, num_groups, fitness, move_into_group, iterations, top_k, p_acc, p_reset,
+                           reset_to, seed, initial)
