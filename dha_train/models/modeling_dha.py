@@ -1,0 +1,211 @@
+"""Decoupled-head attention (DHA) LLaMA for HF transformers.
+
+Every layer has its own number of key heads and of value heads; a head map says which compact key head and which
+compact value head each query head reads. MHA (identity map), GQA and AsymGQA are special cases.
+
+The KV cache stores only the compact heads, so a model at a 25% KV-head budget holds 25% of MHA's cache. The compact
+K/V are expanded to the query heads after the cache update, and the standard attention kernels (SDPA, eager,
+flash-attention-2) then run as plain MHA.
+
+This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
+exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+
+class DhaLlamaConfig(LlamaConfig):
+    """A ``LlamaConfig`` plus ``head_map``.
+
+    ``head_map`` is ``{'head_dim': d, 'num_query_heads': H, 'layers': [{'key': [...], 'value': [...]}, ...]}``:
+    per layer, for every query head, the index of its compact key head and of its compact value head. ``None`` means
+    MHA (every query head has its own key and value head).
+    """
+
+    model_type = "dha_llama"
+
+    def __init__(self, head_map: Optional[dict[str, Any]] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.head_map = head_map
+        if head_map is not None:
+            self._validate_head_map()
+
+    def _validate_head_map(self) -> None:
+        head_map = self.head_map
+        if not isinstance(head_map, dict) or not isinstance(head_map.get("layers"), list):
+            raise ValueError(f"DhaLlamaConfig.head_map must be a dict with a 'layers' list, got {head_map!r}")
+        layers = head_map["layers"]
+        if len(layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"DhaLlamaConfig.head_map has {len(layers)} layers but num_hidden_layers={self.num_hidden_layers}"
+            )
+        if "head_dim" in head_map and head_map["head_dim"] != self.head_dim:
+            raise ValueError(f"DhaLlamaConfig.head_map has head_dim={head_map['head_dim']} but the model has "
+                             f"head_dim={self.head_dim}")
+        if head_map.get("num_query_heads", self.num_attention_heads) != self.num_attention_heads:
+            raise ValueError(f"DhaLlamaConfig.head_map has num_query_heads={head_map['num_query_heads']} but "
+                             f"num_attention_heads={self.num_attention_heads}")
+        for index, layer in enumerate(layers):
+            for kind in ("key", "value"):
+                mapping = layer.get(kind) if isinstance(layer, dict) else None
+                if not isinstance(mapping, list) or len(mapping) != self.num_attention_heads:
+                    raise ValueError(f"DhaLlamaConfig.head_map layer {index} {kind}: expected a list mapping "
+                                     f"{self.num_attention_heads} query heads, got {mapping!r}")
+                used = sorted(set(mapping))
+                if used != list(range(len(used))):
+                    raise ValueError(f"DhaLlamaConfig.head_map layer {index} {kind}: compact heads {used} must be "
+                                     "0..n-1 with every head used by some query head")
+
+    def layer_head_map(self, layer_idx: int) -> tuple[list[int], list[int]]:
+        """(query head -> key head, query head -> value head) of one layer."""
+        if self.head_map is None:
+            identity = list(range(self.num_attention_heads))
+            return identity, identity
+        layer = self.head_map["layers"][layer_idx]
+        return [int(h) for h in layer["key"]], [int(h) for h in layer["value"]]
+
+
+class DhaLlamaAttention(nn.Module):
+    """LLaMA attention whose K and V projections have their own (per-layer) numbers of heads."""
+
+    def __init__(self, config: DhaLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # K/V are expanded to all query heads before the attention call, so HF's repeat_kv must be a no-op.
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        key_index, value_index = config.layer_head_map(layer_idx)
+        self.num_key_heads = max(key_index) + 1
+        self.num_value_heads = max(value_index) + 1
+        # Not persistent: the map lives in the config, and a state dict stays a plain tensor-per-weight file.
+        self.register_buffer("key_index", torch.tensor(key_index, dtype=torch.long), persistent=False)
+        self.register_buffer("value_index", torch.tensor(value_index, dtype=torch.long), persistent=False)
+
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        past_key_value: Optional[Cache] = None,
+        cache_position: Optional[torch.LongTensor] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)      # (B, H_K, T, D)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)    # (B, H_V, T, D)
+
+        # RoPE is per head and position, so rotating the compact keys equals rotating the expanded ones.
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_value is not None:
+            # The cache holds only the compact heads; DynamicCache keeps K and V as separate tensors, so their head
+            # counts may differ.
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, cache_kwargs)
+
+        key_states = key_states.index_select(1, self.key_index)
+        value_states = value_states.index_select(1, self.value_index)
+
+        attention_interface: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class DhaLlamaDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: DhaLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = DhaLlamaAttention(config=config, layer_idx=layer_idx)
+
+
+class DhaLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = DhaLlamaConfig
+    _no_split_modules = ["DhaLlamaDecoderLayer"]
+    # A static cache preallocates num_key_value_heads for every layer; DHA layers differ, so use a dynamic cache.
+    _supports_static_cache = False
+
+
+class DhaLlamaModel(DhaLlamaPreTrainedModel, LlamaModel):
+    def __init__(self, config: DhaLlamaConfig):
+        # LlamaModel.__init__ would first build a full set of MHA-shaped layers; build the DHA ones directly.
+        LlamaPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DhaLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+
+class DhaLlamaForCausalLM(DhaLlamaPreTrainedModel, LlamaForCausalLM):
+    def __init__(self, config: DhaLlamaConfig):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.model = DhaLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        self.post_init()
+
+
+# save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
+DhaLlamaConfig.register_for_auto_class()
+DhaLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+def register_dha_auto_classes() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``dha_llama`` folders without ``trust_remote_code``."""
+    AutoConfig.register(DhaLlamaConfig.model_type, DhaLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(DhaLlamaConfig, DhaLlamaForCausalLM, exist_ok=True)
