@@ -36,17 +36,10 @@ def test_7b_recipe_names_its_missing_variables():
         load_config(REPO / 'yamls/pretrain/llama2_7b_cpt.yaml')
 
 
-def _fake_bin(tmp_path: Path) -> Path:
-    bin_dir = tmp_path / 'bin'
-    bin_dir.mkdir()
-    scontrol = bin_dir / 'scontrol'
-    scontrol.write_text('#!/usr/bin/env bash\nprintf "gpu-node-07\\ngpu-node-08\\ngpu-node-09\\n"\n')
-    scontrol.chmod(0o755)
-    return bin_dir
-
-
 def test_slurm_launcher_derives_composer_flags(tmp_path):
-    env = {**os.environ, 'PATH': f'{_fake_bin(tmp_path)}:{os.environ["PATH"]}', 'COMPOSER': 'printf %s\\n',
+    # A stand-in `scontrol`, exported as a bash function (no executable file to race on).
+    env = {**os.environ, 'BASH_FUNC_scontrol%%': '() { printf "gpu-node-07\\ngpu-node-08\\ngpu-node-09\\n"; }',
+           'COMPOSER': 'printf %s\\n',
            'SLURM_JOB_NODELIST': 'gpu-node-[07-09]', 'SLURM_JOB_NUM_NODES': '3', 'SLURM_NODEID': '2',
            'SLURM_JOB_ID': '123456', 'GPUS_PER_NODE': '8'}
     env.pop('MASTER_ADDR', None)
