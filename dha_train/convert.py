@@ -2,18 +2,16 @@
 
 A map whose groups are equal-size and shared by K and V is first made contiguous by permuting the query heads
 (a function-preserving reorder), so it exports as a standard HF LLaMA with ``num_key_value_heads``; any other map
-needs the DHA model class (``dha_train.models.modeling_dha``).
+becomes a ``DhaLlamaForCausalLM`` folder (with its modeling file, loadable with ``trust_remote_code=True``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dha_train.models.head_map import HeadMap, HeadMapError
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError
 from dha_train.paths import staged_folder
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
-
-HEAD_MAP_FILE = 'head_map.json'
 
 
 def check_head_map_fits(head_map: HeadMap, config) -> None:
@@ -56,15 +54,20 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
     state = model.state_dict()
 
     contiguous = as_contiguous_gqa(head_map)
-    if contiguous is None:
-        raise HeadMapError('this head map is not GQA after any reordering (K and V differ, or groups are unequal); '
-                           'it needs the DHA model class, which this version cannot export yet')
-    head_map, order = contiguous
-    state = permute_llama_state_dict(state, order, head_map.head_dim)
+    if contiguous is not None:
+        head_map, order = contiguous
+        state = permute_llama_state_dict(state, order, head_map.head_dim)
     state = mean_pool_llama_state_dict(state, [layer.key for layer in head_map.layers],
                                        [layer.value for layer in head_map.layers], head_map.head_dim)
-    config.num_key_value_heads = head_map.uniform_gqa_groups()
-    converted = LlamaForCausalLM(config)
+    if contiguous is not None:
+        config.num_key_value_heads = head_map.uniform_gqa_groups()
+        converted = LlamaForCausalLM(config)
+    else:
+        # K and V grouped differently, or unequal groups: the decoupled-head model serves any head map.
+        from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+
+        dha_config = DhaLlamaConfig(head_map=head_map.to_dict(), **config.to_diff_dict())
+        converted = DhaLlamaForCausalLM(dha_config)
     converted.load_state_dict(state)
 
     with staged_folder(out_dir, overwrite) as staging:

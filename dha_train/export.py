@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import staged_folder
 
 LATEST = 'latest-rank0.pt'
@@ -53,6 +54,8 @@ def load_composer_state(path: str | Path) -> dict:
 def _hf_parts(state: dict, checkpoint: Path):
     from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
 
+    import dha_train.models  # noqa: F401  (registers the DHA config so head-mapped checkpoints resolve)
+
     try:
         hf_state = state['state']['integrations']['huggingface']
     except KeyError as exc:
@@ -99,6 +102,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
 
     with staged_folder(out_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
+        if getattr(model.config, 'head_map', None) is not None:
+            HeadMap.from_dict(model.config.head_map).save(staging / HEAD_MAP_FILE)
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(staging)
     if hf_tokenizer is None:

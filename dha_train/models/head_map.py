@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 Partition = Sequence[Sequence[int]]
+HEAD_MAP_FILE = 'head_map.json'  # saved beside every converted or exported head-mapped model
 
 
 class HeadMapError(ValueError):

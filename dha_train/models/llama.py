@@ -19,14 +19,19 @@ def check_llama_config_keys(overrides: dict) -> None:
 
 def build_llama_config(cfg: ModelConfig):
     """The LlamaConfig of a run: the pretrained folder's config (if any) with ``cfg.config`` applied on top."""
-    from transformers import LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
+
+    import dha_train.models  # noqa: F401  (registers the DHA classes with AutoConfig)
 
     check_llama_config_keys(cfg.config)
     if cfg.pretrained_path is not None:
         path = Path(cfg.pretrained_path)
         if not (path / 'config.json').is_file():
             raise ConfigError(f'model.pretrained_path: no HF config.json in {path} (give a local HF model folder)')
-        llama_config = LlamaConfig.from_pretrained(str(path), local_files_only=True)
+        llama_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if llama_config.model_type not in ('llama', 'dha_llama'):
+            raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; "
+                              'dha_train trains LLaMA and DHA-LLaMA models')
         for key, value in cfg.config.items():
             setattr(llama_config, key, value)
     else:
@@ -41,9 +46,10 @@ def build_llama_config(cfg: ModelConfig):
 
 
 def build_llama(cfg: ModelConfig):
-    """A ``LlamaForCausalLM`` in fp32 (Composer's autocast gives bf16 compute on GPU)."""
+    """A ``LlamaForCausalLM`` (or ``DhaLlamaForCausalLM`` for a head-mapped checkpoint) in fp32; Composer's
+    autocast gives bf16 compute on GPU."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     llama_config = build_llama_config(cfg)
     if cfg.attn_implementation == 'flash_attention_2':
@@ -53,10 +59,10 @@ def build_llama(cfg: ModelConfig):
             raise ConfigError("model.attn_implementation 'flash_attention_2' needs the optional extra: "
                               "pip install 'dha_train[gpu]'") from exc
     if cfg.pretrained_path is not None:
-        model = LlamaForCausalLM.from_pretrained(cfg.pretrained_path, config=llama_config, local_files_only=True,
-                                                 torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, config=llama_config,
+                                                     local_files_only=True, torch_dtype=torch.float32)
     else:
-        model = LlamaForCausalLM(llama_config)
+        model = AutoModelForCausalLM.from_config(llama_config, torch_dtype=torch.float32)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
     # FSDP2 shards each decoder layer as its own unit (and the rest of the model as the root unit).
