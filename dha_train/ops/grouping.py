@@ -16,6 +16,8 @@ Scoring runs in float64 numpy; torch tensors are accepted as inputs.
 
 from __future__ import annotations
 
+import abc
+
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -136,7 +138,7 @@ def swap_delta(similarity: Any, assignment: Sequence[int] | np.ndarray, i: int, 
     return float(matrix[i, in_b].sum() - matrix[i, in_a].sum() + matrix[j, in_a].sum() - matrix[j, in_b].sum())
 
 
-class _SwapState:
+class _SwapState(abc.ABC):
     """Equal-size groups under annealing: a members table (group, position) -> head, as seed 000 Alg. 4 keeps, the
     matching assignment and the current score. Subclasses say how a proposal's delta is computed."""
 
@@ -148,8 +150,9 @@ class _SwapState:
             self.assignment[group] = group_id
         self.score = _assignment_score(off_diagonal, self.assignment)
 
+    @abc.abstractmethod
     def delta(self, i: int, j: int) -> float:
-        raise NotImplementedError
+        """The score change if heads i and j swap groups."""
 
     def swap(self, group_a: int, pos_a: int, group_b: int, pos_b: int, delta: float) -> None:
         i, j = self.members[group_a, pos_a], self.members[group_b, pos_b]
