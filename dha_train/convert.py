@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError
-from dha_train.paths import staged_folder
+from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
 
 
@@ -43,8 +43,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise FileNotFoundError(f'no HF config.json in {model_dir}')
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # fail before the slow part
-        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+    refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     if config.num_key_value_heads != config.num_attention_heads:
         raise HeadMapError(f'{model_dir} already shares K/V heads (num_key_value_heads={config.num_key_value_heads});'

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
-from dha_train.paths import staged_folder
+from dha_train.paths import refuse_nonempty, staged_folder
 
 LATEST = 'latest-rank0.pt'
 
@@ -83,8 +83,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     from dha_train.data.tokenizer import load_tokenizer
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+    refuse_nonempty(out_dir, overwrite)  # fail before loading the checkpoint
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got '{dtype}'")
     path = resolve_checkpoint(checkpoint)

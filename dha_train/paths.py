@@ -20,6 +20,13 @@ def recipe_path(name: str) -> Path:
     return path
 
 
+def refuse_nonempty(out_dir: str | Path, overwrite: bool) -> None:
+    """An existing, non-empty output folder is replaced only when asked to."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+
+
 @contextlib.contextmanager
 def staged_folder(out_dir: str | Path, overwrite: bool = False):
     """Yield a temporary sibling folder to write into; on success it replaces ``out_dir``, on failure it is removed.
@@ -27,8 +34,7 @@ def staged_folder(out_dir: str | Path, overwrite: bool = False):
     A failed export or conversion therefore never leaves a half-written folder, nor deletes the old one.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+    refuse_nonempty(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f'.{out_dir.name}.', dir=out_dir.parent))
     try:

@@ -114,11 +114,15 @@ def recording_fitness(similarity: np.ndarray, num_groups: int, seen: list[list[l
     return fitness
 
 
-def test_symmetric_search_beats_neighbour_start_and_finds_planted():
-    similarity, truth = planted([4, 4, 4, 4], seed=5)
+def _search_problem(sizes: list[int], seed: int):
+    """A planted problem over 16 heads in 4 groups, its recording fitness, and the neighbour-grouping start."""
+    similarity, truth = planted(sizes, seed=seed)
     seen: list[list[list[int]]] = []
-    fitness = recording_fitness(similarity, 4, seen)
-    start = neighbour_groups(16, 4)
+    return similarity, truth, seen, recording_fitness(similarity, 4, seen), neighbour_groups(16, 4)
+
+
+def test_symmetric_search_beats_neighbour_start_and_finds_planted():
+    similarity, truth, seen, fitness, start = _search_problem([4, 4, 4, 4], seed=5)
     best, best_fitness = symmetric_search(similarity, 4, fitness, iterations=300, seed=0, initial=start)
     assert best_fitness > fitness(start)
     assert best == truth and best_fitness == pytest.approx(fitness(truth))
@@ -129,10 +133,7 @@ def test_symmetric_search_beats_neighbour_start_and_finds_planted():
 
 
 def test_asymmetric_search_finds_unequal_planted_groups_without_empty_groups():
-    similarity, truth = planted([2, 6, 4, 4], seed=11)
-    seen: list[list[list[int]]] = []
-    fitness = recording_fitness(similarity, 4, seen)
-    start = neighbour_groups(16, 4)
+    similarity, truth, seen, fitness, start = _search_problem([2, 6, 4, 4], seed=11)
     best, best_fitness = asymmetric_search(similarity, 4, fitness, iterations=600, seed=0, initial=start)
     assert best_fitness > fitness(start)
     assert best == truth

@@ -59,7 +59,7 @@ def check_data_matches_model(root: str, *, vocab_size: int, max_seq_len: int, wh
                           f'max_position_embeddings is {max_seq_len}')
 
 
-def _stream_kwargs(cfg: TrainLoaderConfig) -> list[tuple[str, dict[str, Any]]]:
+def _stream_kwargs(cfg: TrainLoaderConfig) -> list[dict[str, Any]]:
     """Resolve the per-domain stream locations and proportions, checking that local data exists."""
     if cfg.streams is None:
         domains = domains_with_split(cfg.root, cfg.split) if cfg.remote is None else []
@@ -83,7 +83,7 @@ def _stream_kwargs(cfg: TrainLoaderConfig) -> list[tuple[str, dict[str, Any]]]:
             raise ConfigError(f"train_loader.streams.{domain}: no MDS index at '{local}/index.json' "
                               f"(domains with a '{cfg.split}' split under {cfg.root}: {found or 'none'})")
         proportion = stream.proportion if stream and stream.proportion is not None else REDPAJAMA_PROPORTIONS[domain]
-        resolved.append((domain, {'local': local, 'remote': remote, 'proportion': proportion}))
+        resolved.append({'local': local, 'remote': remote, 'proportion': proportion})
     return resolved
 
 
@@ -91,11 +91,8 @@ def build_train_dataloader(cfg: TrainLoaderConfig, *, device_batch_size: int, se
     """A ``StreamingDataLoader`` over the domain mixture. Its state dict makes mid-epoch resume exact."""
     from streaming import Stream, StreamingDataLoader, StreamingDataset
 
-    total = 0.0
-    streams = []
-    for _, kwargs in _stream_kwargs(cfg):
-        total += kwargs['proportion']
-        streams.append(kwargs)
+    streams = _stream_kwargs(cfg)
+    total = sum(s['proportion'] for s in streams)
     dataset = StreamingDataset(
         streams=[Stream(local=s['local'], remote=s['remote'], proportion=s['proportion'] / total) for s in streams],
         batch_size=device_batch_size,
