@@ -1,4 +1,4 @@
-"""`dha-train`: quickstart, data prep, train, convert, export, bench."""
+"""`dha-train`: quickstart, data prep, train, search, convert, export, bench."""
 
 from __future__ import annotations
 
@@ -52,10 +52,77 @@ def _convert(args) -> int:
     return 0
 
 
+def _search(args) -> int:
+    from dataclasses import fields
+
+    from dha_train.search import SearchSettings, run_search
+
+    settings = SearchSettings(**{f.name: getattr(args, f.name) for f in fields(SearchSettings)})
+    result = run_search(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
+    counts = result.head_map.kv_heads()
+    print(f'dha-train search: wrote {args.out_dir} ({settings.method}: '
+          f'{result.report["kv_heads_total"]} K+V heads, {result.head_map.kv_budget_fraction():.0%} of MHA; '
+          f'K per layer {[k for k, _ in counts]}, V per layer {[v for _, v in counts]})')
+    return 0
+
+
+def add_search_arguments(search: argparse.ArgumentParser) -> None:
+    from dha_train.search import ALLOCATIONS, FITNESS, MEASURES, METHODS, SearchSettings
+
+    defaults = SearchSettings()
+    search.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
+    search.add_argument('out_dir', help='folder for head_map.json, search.json, similarity.pt and the plots')
+    search.add_argument('--method', choices=METHODS, default=defaults.method)
+    budget = search.add_mutually_exclusive_group(required=True)
+    budget.add_argument('--kv-heads', dest='kv_heads', type=int, help='K and V heads per layer')
+    budget.add_argument('--kv-budget', dest='kv_budget', type=float,
+                        help='fraction of the MHA K+V heads (0.25 keeps a quarter of the KV cache)')
+    search.add_argument('--allocation', choices=ALLOCATIONS, default=defaults.allocation,
+                        help='similarity method: uniform counts, or per-layer K/V counts by dynamic programming')
+    search.add_argument('--measure', choices=MEASURES, default=defaults.measure,
+                        help='similarity method: centred CKA over all tokens, or AsymGQA Eq. 1 on the subsample')
+    search.add_argument('--shared-kv', dest='shared_kv', action='store_true',
+                        help='similarity method: one grouping for K and V (exports as plain HF GQA)')
+    search.add_argument('--data', default=None, help='calibration data: a `dha-train data prep` output root')
+    search.add_argument('--split', default=defaults.split)
+    search.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')
+    search.add_argument('--batch-size', dest='batch_size', type=int, default=defaults.batch_size)
+    search.add_argument('--sample-tokens', dest='sample_tokens', type=int, default=defaults.sample_tokens,
+                        help='uniform token subsample for Eq. 1, which is quadratic in tokens')
+    search.add_argument('--restarts', type=int, default=defaults.restarts, help='annealing restarts')
+    search.add_argument('--steps', type=int, default=defaults.steps, help='annealing proposals per restart')
+    search.add_argument('--iterations', type=int, default=defaults.iterations, help='asym: fitness calls per layer')
+    search.add_argument('--symmetric', action='store_true', help='asym: equal-size groups (Alg. 1)')
+    search.add_argument('--p-preserve', dest='p_preserve', type=float, default=defaults.p_preserve)
+    search.add_argument('--p-acc', dest='p_acc', type=float, default=defaults.p_acc)
+    search.add_argument('--p-reset', dest='p_reset', type=float, default=defaults.p_reset)
+    search.add_argument('--top-k', dest='top_k', type=int, default=defaults.top_k)
+    search.add_argument('--fitness-batches', dest='fitness_batches', type=int, default=defaults.fitness_batches,
+                        help='asym: held-out batches the fitness is measured on')
+    search.add_argument('--fitness', choices=FITNESS, default=defaults.fitness,
+                        help='asym: minus the LM loss of the grouped model, or minus its KL from the MHA model')
+    search.add_argument('--seed', type=int, default=defaults.seed)
+    search.add_argument('--device', default=defaults.device, help='cpu, cuda, cuda:1, ...')
+    search.add_argument('--dtype', default=defaults.dtype, choices=['float32', 'bfloat16', 'float16'])
+    search.add_argument('--save-calibration', dest='save_calibration', action='store_true',
+                        help='also write calibration.pt (per-layer Grams: (H*d)^2 float64 values per layer and kind)')
+    search.add_argument('--overwrite', action='store_true')
+    search.set_defaults(func=_search)
+
+
 def _bench_throughput(args) -> int:
     from dha_train.bench.throughput import run_throughput_bench
 
     run_throughput_bench(models=args.models, processes=args.processes, steps=args.steps, out=args.out)
+    return 0
+
+
+def _bench_search(args) -> int:
+    from dha_train.bench.search import run_search_bench
+
+    run_search_bench(layers=args.layers, heads=args.heads, head_dim=args.head_dim, tokens=args.tokens,
+                     sample_tokens=args.sample_tokens, groups=args.groups, restarts=args.restarts, steps=args.steps,
+                     reference_matrices=args.reference_matrices, seed=args.seed, out=args.out)
     return 0
 
 
@@ -92,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument('--overwrite', action='store_true')
     export.set_defaults(func=_export)
 
+    search = commands.add_parser('search', help='a head map (neighbour, similarity or AsymGQA search) and analysis '
+                                 'plots from an MHA folder plus calibration data')
+    add_search_arguments(search)
+
     convert = commands.add_parser('convert', help='mean-pool the K/V heads of an MHA HF folder to a head map '
                                   '(the GQA baseline)')
     convert.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
@@ -109,6 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument('--steps', type=int, default=12, help='timed batches per run (after warm-up)')
     throughput.add_argument('--out', default=None, help='folder for the run logs and results.json')
     throughput.set_defaults(func=_bench_throughput)
+    search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '
+                                    '(synthetic activations), with the anchors\' full-rescore annealing as reference')
+    search_bench.add_argument('--layers', type=int, default=32)
+    search_bench.add_argument('--heads', type=int, default=32)
+    search_bench.add_argument('--head-dim', dest='head_dim', type=int, default=128)
+    search_bench.add_argument('--tokens', type=int, default=16384, help='calibration tokens per layer')
+    search_bench.add_argument('--sample-tokens', dest='sample_tokens', type=int, default=256,
+                              help='token subsample for Eq. 1')
+    search_bench.add_argument('--groups', type=int, default=8, help='K (and V) heads per layer after grouping')
+    search_bench.add_argument('--restarts', type=int, default=8)
+    search_bench.add_argument('--steps', type=int, default=None, help='proposals per restart (default 100 x heads)')
+    search_bench.add_argument('--reference-matrices', dest='reference_matrices', type=int, default=None,
+                              help='matrices the reference anneals (default all: an equal number of proposals)')
+    search_bench.add_argument('--seed', type=int, default=0)
+    search_bench.add_argument('--out', default=None, help='folder for results.json')
+    search_bench.set_defaults(func=_bench_search)
     return parser
 
 
@@ -117,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     from dha_train.config import ConfigError
     from dha_train.data.prep import DataPrepError
     from dha_train.export import CheckpointError
+    from dha_train.calibration import CalibrationError
     from dha_train.models.head_map import HeadMapError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, DataPrepError, HeadMapError, FileExistsError, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, DataPrepError, HeadMapError, CalibrationError, FileExistsError,
+            FileNotFoundError) as exc:
         print(f'dha-train: error: {exc}', file=sys.stderr)
         return 2
 

@@ -7,11 +7,7 @@ from pathlib import Path
 
 def plot_loss_curve(history: dict, out: str | Path, title: str = '') -> Path:
     """Train loss per batch and per-domain validation loss per evaluation, on one axis."""
-    import matplotlib
-
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if history.get('train'):
         steps, losses = zip(*history['train'])
@@ -25,8 +21,95 @@ def plot_loss_curve(history: dict, out: str | Path, title: str = '') -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return _save(fig, out)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return out
+
+
+def plot_head_similarity(similarities, out: str | Path, title: str = '', partitions=None) -> Path:
+    """One heatmap of head-by-head similarity per layer, in a grid (DHA Fig. 2). With ``partitions`` each layer's
+    heads are reordered group by group and group borders are drawn, so the clusters read as blocks."""
+    import math
+
+    import numpy as np
+
+    plt = _pyplot()
+    num_layers = len(similarities)
+    columns = min(8, num_layers)
+    rows = math.ceil(num_layers / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(max(2.1 * columns + 1.2, 6.0), 2.1 * rows + 0.8), dpi=110,
+                             squeeze=False)
+    image = None
+    for layer, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if layer >= num_layers:
+            ax.axis('off')
+            continue
+        matrix = np.asarray(similarities[layer], dtype=float)
+        if partitions is not None:
+            order = [head for group in partitions[layer] for head in group]
+            matrix = matrix[np.ix_(order, order)]
+            edge = -0.5
+            for group in partitions[layer][:-1]:
+                edge += len(group)
+                ax.axhline(edge, color='white', linewidth=0.6)
+                ax.axvline(edge, color='white', linewidth=0.6)
+        image = ax.imshow(matrix, vmin=min(0.0, float(matrix.min())), vmax=1.0, cmap='viridis')
+        ax.set_title(f'layer {layer}', fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out)
+
+
+def plot_layer_redundancy(redundancy: dict, out: str | Path, title: str = '') -> Path:
+    """Mean pairwise head similarity per layer, one line per matrix or activation kind (DHA Fig. 3b)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for name, values in redundancy.items():
+        ax.plot(range(len(values)), values, marker='o', linewidth=1.5, label=name)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel('layer')
+    ax.set_ylabel('redundancy (mean CKA / similarity over head pairs)')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def plot_kv_allocation(head_map, out: str | Path, title: str = '') -> Path:
+    """K and V heads per layer as paired bars (DHA Fig. 8)."""
+    import numpy as np
+
+    plt = _pyplot()
+    counts = np.asarray(head_map.kv_heads())
+    layers = np.arange(len(counts))
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
+    ax.bar(layers - 0.2, counts[:, 0], width=0.4, label='key heads')
+    ax.bar(layers + 0.2, counts[:, 1], width=0.4, label='value heads')
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel('layer')
+    ax.set_ylabel('heads')
+    ax.set_title(f'{title} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)')
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, out)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dha_train.ops.grouping import (anneal_equal_groups, assignment_to_partition, asymmetric_search,
+from dha_train.ops.grouping import (anneal_equal_groups, anneal_equal_groups_batch, assignment_to_partition,
+                                    asymmetric_search, full_rescore_anneal_batch,
                                     canonical_partition, full_rescore_anneal, neighbour_groups,
                                     partition_to_assignment, swap_delta, symmetric_search, validate_partition,
                                     within_group_score)
@@ -149,3 +150,23 @@ def test_asymmetric_search_respects_min_group_size_and_random_reset():
     assert min(len(group) for partition in seen for group in partition) >= 3
     with pytest.raises(ValueError, match='min_group_size'):
         asymmetric_search(similarity, 4, lambda p: 0.0, iterations=1, min_group_size=5)
+
+
+def test_batched_annealing_matches_reference_and_ignores_its_neighbours_in_the_batch():
+    rng = np.random.default_rng(5)
+    matrices = [random_symmetric(12, rng) for _ in range(3)]
+    batch = anneal_equal_groups_batch(matrices, 3, restarts=3, steps=400, seed=11)
+    assert batch == full_rescore_anneal_batch(matrices, 3, restarts=3, steps=400, seed=11)
+    # Matrix b draws from stream (seed, b): replacing another matrix of the batch changes nothing for it.
+    other = anneal_equal_groups_batch([random_symmetric(12, rng), matrices[1], matrices[2]], 3, restarts=3,
+                                      steps=400, seed=11)
+    assert other[1:] == batch[1:]
+    assert batch[0] == anneal_equal_groups(matrices[0], 3, restarts=3, steps=400, seed=11)
+
+
+def test_batched_annealing_recovers_planted_partitions_per_matrix():
+    cases = [planted([4, 4, 4, 4], seed=seed) for seed in range(6)]
+    found = anneal_equal_groups_batch(np.stack([s for s, _ in cases]), 4, restarts=4, steps=1500, seed=0)
+    assert found == [truth for _, truth in cases]
+    with pytest.raises(ValueError, match='same size'):
+        anneal_equal_groups_batch([np.eye(4), np.eye(6)], 2)
