@@ -15,13 +15,7 @@ def plot_loss_curve(history: dict, out: str | Path, title: str = '') -> Path:
     for domain, points in sorted(history.get('eval', {}).items()):
         steps, losses = zip(*points)
         ax.plot(steps, losses, marker='o', linewidth=1.5, label=f'val {domain}')
-    ax.set_xlabel('batch')
-    ax.set_ylabel('cross-entropy (nats/token)')
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, out)
+    return _finish(fig, ax, out, 'batch', 'cross-entropy (nats/token)', title)
 
 
 def _pyplot():
@@ -31,6 +25,18 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _finish(fig, ax, out: str | Path, xlabel: str, ylabel: str, title: str, grid: bool = True) -> Path:
+    """Label one-axis figures alike, then save them."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, out)
 
 
 def _save(fig, out: str | Path) -> Path:
@@ -87,13 +93,7 @@ def plot_layer_redundancy(redundancy: dict, out: str | Path, title: str = '') ->
     for name, values in redundancy.items():
         ax.plot(range(len(values)), values, marker='o', linewidth=1.5, label=name)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel('layer')
-    ax.set_ylabel('redundancy (mean CKA / similarity over head pairs)')
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, out)
+    return _finish(fig, ax, out, 'layer', 'redundancy (mean CKA / similarity over head pairs)', title)
 
 
 def plot_kv_allocation(head_map, out: str | Path, title: str = '') -> Path:
@@ -107,9 +107,5 @@ def plot_kv_allocation(head_map, out: str | Path, title: str = '') -> Path:
     ax.bar(layers - 0.2, counts[:, 0], width=0.4, label='key heads')
     ax.bar(layers + 0.2, counts[:, 1], width=0.4, label='value heads')
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel('layer')
-    ax.set_ylabel('heads')
-    ax.set_title(f'{title} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)')
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, out)
+    return _finish(fig, ax, out, 'layer', 'heads', f'{title} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)',
+                   grid=False)
