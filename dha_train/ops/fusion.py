@@ -47,7 +47,7 @@ def fuse_weight(source: torch.Tensor, omega: torch.Tensor, members: torch.Tensor
     return fused.reshape(num_heads * head_dim, *source.shape[1:])
 
 
-def _pair_index(members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_index(members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """All pairs (h, h') with h < h' in the same group."""
     same = (members[:, None, :] == members[None, :, :]).all(dim=-1)
     return torch.nonzero(torch.triu(same, diagonal=1), as_tuple=True)
@@ -62,7 +62,7 @@ def fusion_loss(omegas: Sequence[torch.Tensor], members: Sequence[torch.Tensor])
     """
     total, count = 0.0, 0
     for omega, member in zip(omegas, members):
-        first, second = _pair_index(member.to(omega.device))
+        first, second = pair_index(member.to(omega.device))
         if first.numel():
             total = total + (omega[first] - omega[second]).square().sum()
             count += first.numel() * omega.shape[1] * omega.shape[2]

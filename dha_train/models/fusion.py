@@ -1,0 +1,40 @@
+"""``FusedProjection``: the k_proj / v_proj of an MHA attention layer during DHA fusion (seed 000 Eq. 5).
+
+It keeps the MHA projection weight (still trained, under its original state-dict name ``weight``) and the fusion
+weights ``omega``; every forward mixes the weights (not the activations) and records the layer's fusion-loss terms
+while the parameters are unsharded, so the loss is correct under FSDP2 and activation checkpointing alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dha_train.ops.fusion import fuse_weight, kronecker_omega, pair_index
+
+
+class FusedProjection(nn.Module):
+    def __init__(self, linear: nn.Linear, members: torch.Tensor, head_dim: int):
+        super().__init__()
+        if linear.out_features != members.shape[0] * head_dim:
+            raise ValueError(f'{linear.out_features} output rows are not {members.shape[0]} heads of {head_dim}')
+        self.in_features, self.out_features, self.head_dim = linear.in_features, linear.out_features, head_dim
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.register_buffer('members', members.to(linear.weight.device), persistent=True)
+        self.omega = nn.Parameter(kronecker_omega(members, head_dim, dtype=torch.float32).to(linear.weight.device))
+        self.pair_squares: torch.Tensor | None = None  # sum of squared omega differences over within-group pairs
+        self.pair_elements = 0  # how many squared differences that sum holds
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        omega = self.omega
+        first, second = pair_index(self.members)
+        self.pair_squares = (omega[first] - omega[second]).square().sum()
+        self.pair_elements = int(first.numel()) * omega.shape[1] * omega.shape[2]
+        weight = fuse_weight(self.weight, omega.to(self.weight.dtype), self.members)
+        bias = None if self.bias is None else fuse_weight(self.bias, omega.to(self.bias.dtype), self.members)
+        return nn.functional.linear(hidden, weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f'in_features={self.in_features}, out_features={self.out_features}, '
+                f'group_size={self.members.shape[1]}')

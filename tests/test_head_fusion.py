@@ -1,0 +1,83 @@
+"""HeadFusion: the fusion model equals MHA at init; a tiny fusion run drives L_fusion below the threshold."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_recipe
+from dha_train.algorithms.head_fusion import OMEGA_GROUP, HeadFusion
+from dha_train.models.fusion import FusedProjection
+from dha_train.models.head_map import HeadMap
+
+# 4 heads: K grouped {0,2},{1,3} and V {0,1},{2,3} in layer 0; K {0,1,2,3} and V {0,3},{1,2} in layer 1.
+TINY_MAP = HeadMap.dha([[[0, 2], [1, 3]], [[0, 1, 2, 3]]], [[[0, 1], [2, 3]], [[0, 3], [1, 2]]], num_heads=4,
+                       head_dim=16)
+
+
+def tiny_mha() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize('options', ['map', 'warmup'])
+def test_fusion_model_at_init_equals_mha(tmp_path, options):
+    mha = tiny_mha()
+    fused = copy.deepcopy(mha)
+    if options == 'map':
+        algorithm = HeadFusion(head_map=str(TINY_MAP.save(tmp_path / 'head_map.json')))
+    else:
+        algorithm = HeadFusion(warmup_groups=1)
+    omegas = algorithm.apply_surgery(fused)
+    assert len(omegas) == 4 and all(isinstance(p, FusedProjection) for pair in algorithm.projections for p in pair)
+    ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, mha(ids).logits, rtol=0, atol=1e-5)
+    # At the Kronecker init a pair of a g-group differs by 2 d squared units over g d weights. Layer 0 of the map:
+    # K and V pairs of g = 2 -> 1. Layer 1: 6 K pairs of g = 4 (64 weights each) and 2 V pairs of g = 2 (32 each):
+    # (6 * 32 + 2 * 32) / (6 * 64 + 2 * 32) = 4 / 7. Warm-up (one group of 4 for K and V in both layers): 2 / 4.
+    expected = (1 + 4 / 7) / 2 if options == 'map' else 2 / 4
+    assert float(algorithm.fusion_loss()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_fusion_refuses_a_map_that_does_not_fit(tmp_path):
+    algorithm = HeadFusion(head_map=str(HeadMap.gqa(3, 4, 2, 16).save(tmp_path / 'head_map.json')))
+    with pytest.raises(Exception, match='3 layers'):
+        algorithm.apply_surgery(tiny_mha())
+
+
+def fusion_recipe(tmp_path, data_root, tokenizer_dir, **overrides):
+    head_map = TINY_MAP.save(tmp_path / 'head_map.json')
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='120ba', seed=11,
+                         optimizer={'lr': 1.0e-3}, scheduler={'t_warmup': '4ba', 'alpha_f': 0.1},
+                         algorithms={'head_fusion': {'head_map': str(head_map), 'omega_lr': 0.05,
+                                                     'lambda_lr': 1.0, 'margin_warmup_steps': 10}})
+    recipe['model']['config'].update(num_attention_heads=4, num_key_value_heads=4)
+    recipe.update(overrides)
+    return recipe
+
+
+def test_tiny_fusion_run_drives_the_fusion_loss_below_threshold(tmp_path, data_root, tokenizer_dir):
+    from dha_train.config import load_config
+    from dha_train.train import train
+
+    trainer = train(load_config(fusion_recipe(tmp_path, data_root, tokenizer_dir)))
+    try:
+        fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
+        history = fusion.history
+        assert history[0]['fusion_loss'] == pytest.approx((1 + 4 / 7) / 2, rel=1e-4)
+        assert fusion.converged_at is not None and history[-1]['fusion_loss'] < 1e-3
+        assert int(trainer.state.timestamp.batch) == fusion.converged_at < 120  # stopped cleanly at convergence
+        # lambda grows while the constraint is violated (loss above the margin).
+        violated = [i for i in range(1, len(history)) if history[i - 1]['fusion_loss'] > history[i - 1]['margin']]
+        assert violated and all(history[i]['lambda'] > history[i - 1]['lambda'] for i in violated)
+        names = [g.get('name') for g in trainer.state.optimizers[0].param_groups]
+        assert OMEGA_GROUP in names
+    finally:
+        trainer.close()
