@@ -74,6 +74,19 @@ def model_weights(state: dict) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
 
 
+def bake_fusion(config, weights: dict):
+    """A DHA fusion checkpoint (``HeadFusion`` omega in its K/V projections) -> the DHA config and baked weights:
+    omega averaged within each group, one compact K/V head per group (``ops.fusion.bake_llama_state_dict``)."""
+    from dha_train.models.modeling_dha import DhaLlamaConfig
+    from dha_train.ops.fusion import bake_llama_state_dict
+
+    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+    baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim)
+    head_map = HeadMap.dha(key_partitions, value_partitions, config.num_attention_heads, head_dim)
+    settings = {k: v for k, v in config.to_dict().items() if k not in ('model_type', 'architectures', 'auto_map')}
+    return DhaLlamaConfig(**{**settings, 'head_map': head_map.to_dict()}), baked
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
               dtype: str = 'float32', overwrite: bool = False) -> Path:
     """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
@@ -91,8 +104,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     config, saved_tokenizer = _hf_parts(state, path)
     hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
 
+    weights = model_weights(state)
+    if any(name.endswith('.k_proj.omega') for name in weights):  # a DHA fusion run: bake it into the DHA model
+        config, weights = bake_fusion(config, weights)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(model_weights(state), strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise CheckpointError(f'{path}: weights do not match the saved config (missing {missing[:5]}, '
                               f'unexpected {unexpected[:5]})')

@@ -67,7 +67,9 @@ def test_tiny_fusion_run_drives_the_fusion_loss_below_threshold(tmp_path, data_r
     from dha_train.config import load_config
     from dha_train.train import train
 
-    trainer = train(load_config(fusion_recipe(tmp_path, data_root, tokenizer_dir)))
+    recipe = fusion_recipe(tmp_path, data_root, tokenizer_dir, save_folder=str(tmp_path / 'ckpt'),
+                           save_interval='1000ba')
+    trainer = train(load_config(recipe))
     try:
         fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
         history = fusion.history
@@ -81,3 +83,46 @@ def test_tiny_fusion_run_drives_the_fusion_loss_below_threshold(tmp_path, data_r
         assert OMEGA_GROUP in names
     finally:
         trainer.close()
+
+
+def test_baked_dha_model_equals_the_fusion_model_when_groups_agree(tmp_path):
+    from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+    from dha_train.ops.fusion import bake_llama_state_dict
+
+    fused = tiny_mha()
+    algorithm = HeadFusion(head_map=str(TINY_MAP.save(tmp_path / 'head_map.json')))
+    algorithm.apply_surgery(fused)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for pair in algorithm.projections:
+            for projection in pair:  # random omega that agrees within every group
+                omega = torch.rand(projection.omega.shape, generator=generator)
+                for row in projection.members.tolist():
+                    omega[row] = omega[row].mean(dim=0)
+                projection.omega.copy_(omega)
+    baked, key_partitions, value_partitions = bake_llama_state_dict(fused.state_dict(), head_dim=16)
+    head_map = HeadMap.dha(key_partitions, value_partitions, num_heads=4, head_dim=16)
+    assert head_map == TINY_MAP
+    config = DhaLlamaConfig(head_map=head_map.to_dict(), **{k: v for k, v in fused.config.to_dict().items()
+                                                             if k in ('vocab_size', 'hidden_size', 'intermediate_size',
+                                                                      'num_hidden_layers', 'num_attention_heads',
+                                                                      'max_position_embeddings')})
+    dha = DhaLlamaForCausalLM(config).eval()
+    dha.load_state_dict(baked)
+    ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = fused(ids).logits
+        assert float(algorithm.fusion_loss()) < 1e-12
+        torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
+
+    # The end-of-fusion checkpoint exports as the baked DHA model with the fusion's head map.
+    from transformers import AutoModelForCausalLM
+
+    from dha_train.export import export_hf
+
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    assert HeadMap.load(out / 'head_map.json') == TINY_MAP
+    dha = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(dha).__name__ == 'DhaLlamaForCausalLM'
+    assert [(a.num_key_heads, a.num_value_heads) for a in (layer.self_attn for layer in dha.model.layers)] \
+        == TINY_MAP.kv_heads()

@@ -124,3 +124,32 @@ def bake(source: torch.Tensor, omega: torch.Tensor, members: torch.Tensor,
         sources = heads[members[group[0]]]  # (g, d, D)
         compact.append((mean_omega.unsqueeze(-1).to(sources.dtype) * sources).sum(dim=0))
     return torch.cat(compact).reshape(len(partition) * head_dim, *source.shape[1:])
+
+
+def _groups_of(members: torch.Tensor) -> list[list[int]]:
+    """The partition a members table encodes, groups ordered by their first head."""
+    return sorted({tuple(row) for row in members.tolist()}, key=lambda group: group[0])
+
+
+def bake_llama_state_dict(state_dict: dict[str, torch.Tensor], head_dim: int):
+    """A fusion model's state dict (``FusedProjection`` k_proj / v_proj with ``omega`` and ``members``) -> the
+    state dict of the DHA model with one compact head per group, and the per-layer K and V partitions (compact
+    head n is group n, groups ordered by their first head as ``HeadMap`` numbers them). Omega is averaged within
+    each group (``bake``); when the groups agree the baked model computes what the fusion model computes."""
+    baked = dict(state_dict)
+    key_partitions: list[list[list[int]]] = []
+    value_partitions: list[list[list[int]]] = []
+    layer = 0
+    while f'model.layers.{layer}.self_attn.k_proj.omega' in state_dict:
+        for projection, partitions in (('k_proj', key_partitions), ('v_proj', value_partitions)):
+            prefix = f'model.layers.{layer}.self_attn.{projection}.'
+            omega, members = baked.pop(prefix + 'omega'), baked.pop(prefix + 'members')
+            partition = [list(group) for group in _groups_of(members)]
+            for param in ('weight', 'bias'):
+                if prefix + param in state_dict:
+                    baked[prefix + param] = bake(state_dict[prefix + param], omega, members, partition)
+            partitions.append(partition)
+        layer += 1
+    if layer == 0:
+        raise ValueError('no fusion weights (model.layers.<i>.self_attn.k_proj.omega) in the state dict')
+    return baked, key_partitions, value_partitions
