@@ -84,6 +84,18 @@ def test_tiny_fusion_run_drives_the_fusion_loss_below_threshold(tmp_path, data_r
     finally:
         trainer.close()
 
+    # The end-of-fusion checkpoint exports as the baked DHA model with the fusion's head map.
+    from transformers import AutoModelForCausalLM
+
+    from dha_train.export import export_hf
+
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    assert HeadMap.load(out / 'head_map.json') == TINY_MAP
+    dha = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(dha).__name__ == 'DhaLlamaForCausalLM'
+    assert [(a.num_key_heads, a.num_value_heads) for a in (layer.self_attn for layer in dha.model.layers)] \
+        == TINY_MAP.kv_heads()
+
 
 def test_baked_dha_model_equals_the_fusion_model_when_groups_agree(tmp_path):
     from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
@@ -115,14 +127,3 @@ def test_baked_dha_model_equals_the_fusion_model_when_groups_agree(tmp_path):
         assert float(algorithm.fusion_loss()) < 1e-12
         torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
 
-    # The end-of-fusion checkpoint exports as the baked DHA model with the fusion's head map.
-    from transformers import AutoModelForCausalLM
-
-    from dha_train.export import export_hf
-
-    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
-    assert HeadMap.load(out / 'head_map.json') == TINY_MAP
-    dha = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(dha).__name__ == 'DhaLlamaForCausalLM'
-    assert [(a.num_key_heads, a.num_value_heads) for a in (layer.self_attn for layer in dha.model.layers)] \
-        == TINY_MAP.kv_heads()

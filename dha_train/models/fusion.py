@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dha_train.ops.fusion import fuse_weight, kronecker_omega, pair_index
+from dha_train.ops.fusion import fuse_weight, kronecker_omega, pair_square_sum
 
 
 class FusedProjection(nn.Module):
@@ -28,9 +28,7 @@ class FusedProjection(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         omega = self.omega
-        first, second = pair_index(self.members)
-        self.pair_squares = (omega[first] - omega[second]).square().sum()
-        self.pair_elements = int(first.numel()) * omega.shape[1] * omega.shape[2]
+        self.pair_squares, self.pair_elements = pair_square_sum(omega, self.members)
         weight = fuse_weight(self.weight, omega.to(self.weight.dtype), self.members)
         bias = None if self.bias is None else fuse_weight(self.bias, omega.to(self.bias.dtype), self.members)
         return nn.functional.linear(hidden, weight, bias)

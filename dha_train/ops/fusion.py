@@ -53,6 +53,12 @@ def pair_index(members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(torch.triu(same, diagonal=1), as_tuple=True)
 
 
+def pair_square_sum(omega: torch.Tensor, members: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum over within-group pairs h < h' of ||omega_h - omega_h'||^2, and how many squared differences it holds."""
+    first, second = pair_index(members.to(omega.device))
+    return (omega[first] - omega[second]).square().sum(), int(first.numel()) * omega.shape[1] * omega.shape[2]
+
+
 def fusion_loss(omegas: Sequence[torch.Tensor], members: Sequence[torch.Tensor]) -> torch.Tensor:
     """One layer's fusion loss (Eq. 7 normalised as Alg. 3): the mean over every within-group pair (h, h') of every
     kind given (K and V) and over the g x d weights of the squared difference of omega_h and omega_h'.
@@ -60,15 +66,11 @@ def fusion_loss(omegas: Sequence[torch.Tensor], members: Sequence[torch.Tensor])
     Alg. 3's normaliser H x G_s x D x 2 x (G_s - 1) / 2 is exactly that element count for K and V. Zero when every
     group agrees; 2 / g at the Kronecker init. The model's total is the mean over layers (``Alg. 3: L / len(B)``).
     """
-    total, count = 0.0, 0
-    for omega, member in zip(omegas, members):
-        first, second = pair_index(member.to(omega.device))
-        if first.numel():
-            total = total + (omega[first] - omega[second]).square().sum()
-            count += first.numel() * omega.shape[1] * omega.shape[2]
+    terms = [pair_square_sum(omega, member) for omega, member in zip(omegas, members)]
+    count = sum(elements for _, elements in terms)
     if count == 0:  # groups of one head: nothing to fuse
         return omegas[0].new_zeros(())
-    return total / count
+    return sum(squares for squares, _ in terms) / count
 
 
 def head_distances(source: torch.Tensor, omega: torch.Tensor, members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
