@@ -141,12 +141,9 @@ def per_layer_count(settings: SearchSettings, num_heads: int) -> int:
 # Model and data
 # ----------------------------------------------------------------------------------------------------------------
 
-def _load_mha(model_dir: Path, settings: SearchSettings):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _load_mha(model_dir: Path, settings: SearchSettings, config):
+    from transformers import LlamaForCausalLM
 
-    if not (model_dir / 'config.json').is_file():
-        raise FileNotFoundError(f'no HF config.json in {model_dir}')
-    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     if config.num_key_value_heads != config.num_attention_heads:
         raise ConfigError(f'search: {model_dir} already shares K/V heads (num_key_value_heads='
                           f'{config.num_key_value_heads}); search starts from an MHA checkpoint')
@@ -154,7 +151,7 @@ def _load_mha(model_dir: Path, settings: SearchSettings):
     if dtype is None:
         raise ConfigError(f"search: dtype must be float32, bfloat16 or float16, got '{settings.dtype}'")
     model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=dtype)
-    return model.to(settings.device), config
+    return model.to(settings.device)
 
 
 def _calibration_batches(model_dir: Path, settings: SearchSettings, config):
@@ -327,7 +324,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    model, config = _load_mha(model_dir, settings)
+    model = _load_mha(model_dir, settings, config)
     attention = attention_modules(model)
 
     weight_similarity = {name: [weight_cka(getattr(a, f'{name}_proj').weight, num_heads) for a in attention]
