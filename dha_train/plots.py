@@ -49,9 +49,10 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
-def plot_head_similarity(similarities, out: str | Path, title: str = '', partitions=None) -> Path:
+def plot_head_similarity(similarities, out: str | Path, title: str = '', partitions=None, limits=None) -> Path:
     """One heatmap of head-by-head similarity per layer, in a grid (DHA Fig. 2). With ``partitions`` each layer's
-    heads are reordered group by group and group borders are drawn, so the clusters read as blocks."""
+    heads are reordered group by group and group borders are drawn, so the clusters read as blocks. ``limits``
+    (low, high) fixes the colour scale (default: up to 1, for similarities; give it for distances)."""
     import math
 
     import numpy as np
@@ -78,7 +79,8 @@ def plot_head_similarity(similarities, out: str | Path, title: str = '', partiti
                 edge += len(group)
                 ax.axhline(edge, color='white', linewidth=0.6)
                 ax.axvline(edge, color='white', linewidth=0.6)
-        image = ax.imshow(matrix, vmin=min(0.0, float(matrix.min())), vmax=1.0, cmap='viridis')
+        low, high = limits if limits is not None else (min(0.0, float(matrix.min())), 1.0)
+        image = ax.imshow(matrix, vmin=low, vmax=high, cmap='viridis')
         ax.set_title(f'layer {layer}', fontsize=8)
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)

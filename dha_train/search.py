@@ -31,7 +31,7 @@ import torch
 from dha_train.calibration import CALIBRATION_FILE, CalibrationStats, attention_modules, calibrate
 from dha_train.config import ConfigError
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
-from dha_train.ops.budget import allocate_kv_heads, divisors
+from dha_train.ops.budget import divisors, group_and_allocate
 from dha_train.ops.grouping import (Partition, anneal_equal_groups_batch, asymmetric_search, neighbour_groups,
                                     partition_to_assignment, symmetric_search, within_group_score)
 from dha_train.ops.heads import gather_heads, mean_pool_heads
@@ -204,14 +204,10 @@ def _group_by_similarity(key_sim: list[torch.Tensor], value_sim: list[torch.Tens
                                                restarts=settings.restarts, steps=settings.steps, seed=settings.seed)
         return partitions[:num_layers], partitions[num_layers:], {}
     # dp: the best grouping at every allowed count, then the cheapest counts meeting the total exactly.
-    by_count = {count: anneal_equal_groups_batch(matrices, count, restarts=settings.restarts, steps=settings.steps,
-                                                 seed=settings.seed) for count in divisors(num_heads)}
-    costs = [[{count: _dissimilarity_cost(matrices[kind * num_layers + layer], by_count[count][kind * num_layers + layer])
-               for count in by_count} for kind in (0, 1)] for layer in range(num_layers)]
     total = int(round(settings.kv_budget * 2 * num_layers * num_heads))
-    allocation = allocate_kv_heads(costs, num_layers, num_heads, total)
-    key_partitions = [by_count[k][layer] for layer, (k, _) in enumerate(allocation)]
-    value_partitions = [by_count[v][num_layers + layer] for layer, (_, v) in enumerate(allocation)]
+    key_partitions, value_partitions, costs = group_and_allocate(
+        matrices, num_layers, num_heads, total, _dissimilarity_cost, restarts=settings.restarts, steps=settings.steps,
+        seed=settings.seed)
     return key_partitions, value_partitions, {'allocation_costs': costs}
 
 

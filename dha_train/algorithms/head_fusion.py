@@ -7,7 +7,7 @@
 - ``Event.AFTER_LOSS``: adds lambda max(L_fusion - t, 0) (+ rho/2 max(.)^2), L_fusion being the mean over layers of
   each layer's fusion loss (``ops.fusion.fusion_loss``) as recorded by the projections in this forward.
 - ``Event.BATCH_END``: dual ascent on lambda, the margin step advances, the history grows; once L_fusion falls below
-  ``threshold`` the run stops cleanly (``stop_at_threshold``).
+  ``threshold`` the run stops cleanly (``stop_at_threshold``). The ``fusion_monitor`` callback logs all of it.
 
 lambda, the step, the history and the convergence batch are the algorithm's state, saved in every checkpoint.
 """
@@ -86,6 +86,15 @@ class HeadFusion(Algorithm):
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
+    def kind_losses(self) -> list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """Each layer's K and V fusion loss from the last forward (None for a kind whose groups hold one head)."""
+        losses = []
+        for key, value in self.projections:
+            if key.pair_squares is None or value.pair_squares is None:
+                raise RuntimeError('head_fusion: no forward pass has recorded the fusion terms yet')
+            losses.append(tuple(p.pair_squares / p.pair_elements if p.pair_elements else None for p in (key, value)))
+        return losses
+
     def layer_losses(self) -> list[torch.Tensor]:
         """Each layer's fusion loss from the last forward (mean squared omega difference over its K and V pairs)."""
         losses = []
@@ -108,7 +117,7 @@ class HeadFusion(Algorithm):
     # --- Composer -----------------------------------------------------------------------------------------------
 
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.INIT, Event.AFTER_LOSS, Event.BATCH_END)
+        return event in (Event.INIT, Event.FIT_START, Event.AFTER_LOSS, Event.BATCH_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
@@ -117,6 +126,9 @@ class HeadFusion(Algorithm):
             omegas = self.apply_surgery(state.model)
             for optimizer in state.optimizers:
                 add_param_group(optimizer, OMEGA_GROUP, omegas, lr=self.omega_lr, weight_decay=0.0)
+        elif event == Event.FIT_START:
+            if self.converged_at is not None and self.stop_at_threshold:
+                state.stop_training()  # resumed from the checkpoint written when fusion converged: nothing to do
         elif event == Event.AFTER_LOSS:
             loss = self.fusion_loss()
             self._last_loss = loss.detach()
@@ -131,11 +143,18 @@ class HeadFusion(Algorithm):
         self.step += 1
         record = {'fusion_loss': loss, 'lambda': self.lam, 'margin': margin}
         self.history.append(record)
-        logger.log_metrics({f'fusion/{key}': value for key, value in record.items()})
         if loss < self.threshold and self.converged_at is None:
             self.converged_at = int(state.timestamp.batch)
             if self.stop_at_threshold:
                 state.stop_training()
+
+    @staticmethod
+    def of(state: State, needed_by: str) -> 'HeadFusion':
+        """The run's HeadFusion algorithm, for the callbacks that read it."""
+        for algorithm in state.algorithms:
+            if isinstance(algorithm, HeadFusion):
+                return algorithm
+        raise ValueError(f'{needed_by} needs the head_fusion algorithm in the recipe (algorithms: head_fusion: ...)')
 
     def state_dict(self) -> dict[str, Any]:
         return {'lam': self.lam, 'step': self.step, 'history': list(self.history), 'converged_at': self.converged_at}

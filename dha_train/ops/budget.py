@@ -118,3 +118,27 @@ def fusion_loss_costs(scores: Sequence[Sequence[float]] | np.ndarray, num_heads:
     counts = _allowed_counts(num_heads, allowed)
     return [[{count: float(table[layer, kind]) * penalty(count, num_heads) for count in counts} for kind in KINDS]
             for layer in range(table.shape[0])]
+
+
+def group_and_allocate(similarities: Any, num_layers: int, num_heads: int, total_heads: int,
+                       group_cost: Callable[[Any, list], float], *, restarts: int = 8, steps: int | None = None,
+                       seed: int = 0, allowed: Sequence[int] | None = None):
+    """Per-layer K and V groupings meeting one total head budget (DHA Search, seed 000 section 4.3).
+
+    ``similarities`` is a (2L, H, H) stack, every layer's K matrix first, then every layer's V matrix. Each matrix is
+    grouped by annealing at every allowed count; ``group_cost(matrix, partition)`` prices that best grouping, and
+    ``allocate_kv_heads`` picks the counts. Returns (key partitions, value partitions, cost table).
+    """
+    from dha_train.ops.grouping import anneal_equal_groups_batch
+
+    counts = _allowed_counts(num_heads, allowed)
+    if len(similarities) != 2 * num_layers:
+        raise ValueError(f'expected {2 * num_layers} matrices (K then V for {num_layers} layers), got {len(similarities)}')
+    by_count = {count: anneal_equal_groups_batch(similarities, count, restarts=restarts, steps=steps, seed=seed)
+                for count in counts}
+    costs = [[{count: float(group_cost(similarities[kind * num_layers + layer], by_count[count][kind * num_layers + layer]))
+               for count in counts} for kind in KINDS] for layer in range(num_layers)]
+    allocation = allocate_kv_heads(costs, num_layers, num_heads, total_heads, allowed=counts)
+    key_partitions = [by_count[k][layer] for layer, (k, _) in enumerate(allocation)]
+    value_partitions = [by_count[v][num_layers + layer] for layer, (_, v) in enumerate(allocation)]
+    return key_partitions, value_partitions, costs

@@ -1,0 +1,221 @@
+"""``HeadSearch``: DHA's Search stage as a Composer callback (seed 000 section 4.3, appendix B.3-B.4).
+
+It runs beside ``head_fusion`` with ``warmup_groups: 1`` (every layer's K heads form one warm-up group, and so do
+its V heads) for a short run (about 240 steps at paper scale). Every ``interval`` batches it gathers each layer's
+K and V head distances: the weight-space form of Eq. 6, L(h, h') = 1/g ||W^(h) - W^(h')||^2, drives the grouping,
+and the omega-only form of Eq. 7 is logged and saved beside it. At the end of the run, on the mean distances:
+
+1. every (layer, kind) matrix is grouped into equal groups by simulated annealing (Alg. 4, incremental swap deltas)
+   at every head count that divides H, maximising minus the within-group distance;
+2. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the MHA K+V heads, the cost
+   of a count being the summed within-group distance of its best grouping (a layer whose heads sit far apart is
+   expensive to fuse, so it keeps more heads: the role Alg. 5 gives the per-layer fusion loss);
+3. ``out`` receives head_map.json (the Fusion stage's input), search.json, distances.pt, kv_heads.png (Fig. 8) and
+   head_distance_{key,value}.png.
+
+The accumulated distances are the callback's checkpoint state, so a resumed Search continues its averages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from dha_train import registry
+from dha_train.algorithms.head_fusion import HeadFusion
+from dha_train.models.fusion import unsharded
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
+from dha_train.ops.budget import allocate_kv_heads, group_and_allocate
+from dha_train.ops.fusion import head_distances
+from dha_train.ops.grouping import within_group_score
+from dha_train.paths import refuse_nonempty, staged_folder
+
+SEARCH_REPORT = 'search.json'
+DISTANCES_FILE = 'distances.pt'
+KINDS = ('key', 'value')
+
+
+def total_heads_for_budget(kv_budget: float, num_layers: int, num_heads: int) -> int:
+    """The K+V head total that ``kv_budget`` (a fraction of the MHA K+V heads) stands for; it must be whole."""
+    if not 0 < kv_budget <= 1:
+        raise ValueError(f'kv_budget must be in (0, 1], got {kv_budget}')
+    total = kv_budget * 2 * num_layers * num_heads
+    if abs(total - round(total)) > 1e-6:
+        raise ValueError(f'kv_budget {kv_budget} of {2 * num_layers * num_heads} K+V heads is not a whole number')
+    return int(round(total))
+
+
+def summed_distance(similarity: torch.Tensor, partition) -> float:
+    """Summed within-group distance of a grouping, from the negated distances the annealer maximises."""
+    return -within_group_score(similarity, partition)
+
+
+class HeadSearch(Callback):
+    def __init__(self, out: str, kv_budget: float, interval: int = 1, start_batch: int = 0, restarts: int = 8,
+                 steps: Optional[int] = None, seed: int = 0, allowed: Optional[list[int]] = None,
+                 overwrite: bool = False):
+        if interval < 1 or start_batch < 0 or restarts < 1:
+            raise ValueError('head_search: interval and restarts must be >= 1 and start_batch >= 0')
+        if not 0 < kv_budget <= 1:
+            raise ValueError(f'head_search: kv_budget must be in (0, 1], got {kv_budget}')
+        self.out, self.kv_budget, self.interval, self.start_batch = Path(out), kv_budget, interval, start_batch
+        self.restarts, self.steps, self.seed, self.allowed, self.overwrite = restarts, steps, seed, allowed, overwrite
+        self.records = 0
+        self.weight_sum: Optional[torch.Tensor] = None  # (2L, H, H) float64: K of every layer, then V
+        self.omega_sum: Optional[torch.Tensor] = None
+        self.loss_sum: Optional[torch.Tensor] = None  # (L, 2) omega fusion loss per layer and kind (Eq. 7, Alg. 3)
+        self.result: Optional[dict] = None
+        self._fusion: Optional[HeadFusion] = None
+
+    # --- checks -------------------------------------------------------------------------------------------------
+
+    def _check(self, state: State) -> None:
+        fusion = HeadFusion.of(state, 'head_search')
+        if fusion.head_map_path is not None or fusion.warmup_groups != 1:
+            raise ValueError('head_search: the Search stage needs head_fusion with warmup_groups: 1 (one warm-up '
+                             'group per layer) and no head_map')
+        if fusion.stop_at_threshold:
+            raise ValueError('head_search: set head_fusion.stop_at_threshold: false, so the Search runs its '
+                             'whole duration')
+        num_layers, num_heads = len(fusion.projections), fusion.projections[0][0].members.shape[0]
+        total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
+        allocate_kv_heads(lambda *_: 0.0, num_layers, num_heads, total, allowed=self.allowed)  # reachable?
+        self._fusion = fusion
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._check(state)
+        if int(state.timestamp.batch) == 0 and self.records == 0:
+            refuse_nonempty(self.out, self.overwrite)  # a fresh Search never silently replaces an old one
+
+    # --- accumulation -------------------------------------------------------------------------------------------
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        batch = int(state.timestamp.batch)
+        if batch < self.start_batch or batch % self.interval:
+            return
+        fusion = self._fusion
+        weight, omega = [], []
+        for key, value in fusion.projections:
+            for projection in (key, value):
+                ws, om = head_distances(unsharded(projection.weight).float(), unsharded(projection.omega).float(),
+                                        projection.members)
+                weight.append(ws.cpu())
+                omega.append(om.cpu())
+        num_layers = len(fusion.projections)
+        # projections alternate K, V per layer; store all K first, then all V (the layout group_and_allocate takes)
+        order = [2 * layer for layer in range(num_layers)] + [2 * layer + 1 for layer in range(num_layers)]
+        weight, omega = torch.stack(weight)[order], torch.stack(omega)[order]
+        losses = torch.tensor([[float(loss) if loss is not None else 0.0 for loss in pair]
+                               for pair in fusion.kind_losses()], dtype=torch.float64)
+        if self.weight_sum is None:
+            self.weight_sum, self.omega_sum, self.loss_sum = weight, omega, losses
+        else:
+            self.weight_sum += weight
+            self.omega_sum += omega
+            self.loss_sum += losses
+        self.records += 1
+        num_heads = weight.shape[-1]
+        off_diagonal = ~torch.eye(num_heads, dtype=torch.bool)
+        metrics = {}
+        for index, kind in enumerate(KINDS):
+            for layer in range(num_layers):
+                matrix = index * num_layers + layer
+                metrics[f'search/layer{layer}/{kind}_head_distance'] = float(weight[matrix][off_diagonal].mean())
+                metrics[f'search/layer{layer}/{kind}_omega_distance'] = float(omega[matrix][off_diagonal].mean())
+        logger.log_metrics(metrics)
+
+    # --- the search ---------------------------------------------------------------------------------------------
+
+    def search(self) -> dict:
+        """Group and allocate from the mean distances; returns the report (the head map under 'head_map')."""
+        if not self.records:
+            raise RuntimeError(f'head_search: no distances were recorded (start_batch={self.start_batch}, '
+                               f'interval={self.interval}); the Search run was too short')
+        weight, omega = self.weight_sum / self.records, self.omega_sum / self.records
+        num_layers, num_heads = weight.shape[0] // 2, weight.shape[-1]
+        head_dim = self._fusion.projections[0][0].head_dim
+        total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
+        key_partitions, value_partitions, costs = group_and_allocate(
+            -weight, num_layers, num_heads, total, summed_distance, restarts=self.restarts, steps=self.steps,
+            seed=self.seed, allowed=self.allowed)
+        head_map = HeadMap.dha(key_partitions, value_partitions, num_heads, head_dim)
+        layer_loss = (self.loss_sum / self.records).tolist()
+        return {
+            'head_map': head_map.to_dict(), 'kv_budget': self.kv_budget, 'kv_heads_total': total,
+            'kv_budget_fraction': head_map.kv_budget_fraction(), 'recorded_batches': self.records,
+            'allocation': head_map.kv_heads(), 'allocation_costs': costs,
+            'layers': [{'key_heads': len(key_partitions[layer]), 'value_heads': len(value_partitions[layer]),
+                        'key_groups': key_partitions[layer], 'value_groups': value_partitions[layer],
+                        'key_fusion_loss': layer_loss[layer][0], 'value_fusion_loss': layer_loss[layer][1],
+                        'key_mean_head_distance': _mean_off_diagonal(weight[layer]),
+                        'value_mean_head_distance': _mean_off_diagonal(weight[num_layers + layer]),
+                        'key_mean_omega_distance': _mean_off_diagonal(omega[layer]),
+                        'value_mean_omega_distance': _mean_off_diagonal(omega[num_layers + layer])}
+                       for layer in range(num_layers)],
+        }
+
+    def _write(self, logger: Logger) -> None:
+        if self.result is not None:
+            return
+        self.result = self.search() if dist.get_global_rank() == 0 else {}
+        if dist.get_global_rank() != 0:
+            return
+        from dha_train.plots import plot_head_similarity, plot_kv_allocation
+
+        head_map = HeadMap.from_dict(self.result['head_map'])
+        num_layers = len(head_map.layers)
+        weight, omega = self.weight_sum / self.records, self.omega_sum / self.records
+        with staged_folder(self.out, overwrite=True) as staging:
+            head_map.save(staging / HEAD_MAP_FILE)
+            (staging / SEARCH_REPORT).write_text(json.dumps(self.result, indent=2) + '\n')
+            torch.save({'weight_space': weight, 'omega_only': omega, 'records': self.records},
+                       staging / DISTANCES_FILE)
+            plot_kv_allocation(head_map, staging / 'kv_heads.png', title='DHA search: K/V heads per layer')
+            for index, kind in enumerate(KINDS):
+                matrices = weight[index * num_layers:(index + 1) * num_layers]
+                partitions = [getattr(layer, f'{kind}_groups')() for layer in head_map.layers]
+                plot_head_similarity(list(matrices), staging / f'head_distance_{kind}.png', partitions=partitions,
+                                     limits=(0.0, float(matrices.max())),
+                                     title=f'Eq. 6 distance between {kind} heads (ordered by group)')
+        metrics = {'search/kv_heads_total': self.result['kv_heads_total']}
+        for layer, (keys, values) in enumerate(head_map.kv_heads()):
+            metrics[f'search/layer{layer}/key_heads'] = keys
+            metrics[f'search/layer{layer}/value_heads'] = values
+        logger.log_metrics(metrics)
+        print(f'head_search: wrote {self.out / HEAD_MAP_FILE} (K/V heads per layer {head_map.kv_heads()})',
+              flush=True)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._write(logger)
+
+    def after_load(self, state: State, logger: Logger) -> None:
+        # A Search resumed after it had finished (killed before the map was written) writes it here.
+        if state.max_duration is not None and self.records and \
+                state.timestamp.get(state.max_duration.unit) >= state.max_duration and \
+                not (self.out / HEAD_MAP_FILE).is_file():
+            self._check(state)
+            self._write(logger)
+
+    # --- checkpoint state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'records': self.records, 'weight_sum': self.weight_sum, 'omega_sum': self.omega_sum,
+                'loss_sum': self.loss_sum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = int(state['records'])
+        self.weight_sum, self.omega_sum, self.loss_sum = state['weight_sum'], state['omega_sum'], state['loss_sum']
+
+
+def _mean_off_diagonal(matrix: torch.Tensor) -> float:
+    mask = ~torch.eye(matrix.shape[0], dtype=torch.bool)
+    return float(matrix[mask].mean())
+
+
+registry.callbacks.register('head_search', HeadSearch)
