@@ -9,7 +9,8 @@ import sys
 def _quickstart(args) -> int:
     from dha_train.quickstart import run_quickstart
 
-    run_quickstart(out=args.out, seed=args.seed, fresh=args.fresh, steps=args.steps)
+    run_quickstart(out=args.out, seed=args.seed, fresh=args.fresh, steps=args.steps,
+                   conversion_steps=args.conversion_steps)
     return 0
 
 
@@ -117,6 +118,14 @@ def _bench_throughput(args) -> int:
     return 0
 
 
+def _bench_conversion(args) -> int:
+    from dha_train.bench.conversion import run_conversion_bench
+
+    run_conversion_bench(run=args.run, out=args.out, gqa_multiple=args.gqa_multiple, eval_every=args.eval_every,
+                         timing_batches=args.timing_batches, repeats=args.repeats)
+    return 0
+
+
 def _bench_search(args) -> int:
     from dha_train.bench.search import run_search_bench
 
@@ -135,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument('--out', default='quickstart_run', help='run folder (default: ./quickstart_run)')
     quick.add_argument('--seed', type=int, default=17)
     quick.add_argument('--fresh', action='store_true', help='redo every stage instead of reusing finished ones')
-    quick.add_argument('--steps', type=int, default=None, help='training batches (default: the recipe value)')
+    quick.add_argument('--steps', type=int, default=None, help='pretraining batches (default: the recipe value)')
+    quick.add_argument('--conversion-steps', dest='conversion_steps', type=int, default=None,
+                       help='cap on the batches of each conversion stage (default: the recipe values)')
     quick.set_defaults(func=_quickstart)
 
     data = commands.add_parser('data', help='data preparation').add_subparsers(dest='data_command', required=True)
@@ -180,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument('--steps', type=int, default=12, help='timed batches per run (after warm-up)')
     throughput.add_argument('--out', default=None, help='folder for the run logs and results.json')
     throughput.set_defaults(func=_bench_throughput)
+    conversion = bench.add_parser('conversion', help='DHA vs mean-pool GQA at a 25%% KV budget on the quickstart '
+                                  'teacher: losses, GQA tokens to match DHA fusion, equal budgets, step-time ratios')
+    conversion.add_argument('--run', default='quickstart_run', help='quickstart run folder (finished stages reused)')
+    conversion.add_argument('--out', default=None, help='results folder (default: <run>/bench_conversion)')
+    conversion.add_argument('--gqa-multiple', dest='gqa_multiple', type=float, default=5.0,
+                            help='GQA CT length for the tokens-to-match measure, in multiples of the fusion tokens')
+    conversion.add_argument('--eval-every', dest='eval_every', type=int, default=10)
+    conversion.add_argument('--timing-batches', dest='timing_batches', type=int, default=20)
+    conversion.add_argument('--repeats', type=int, default=3, help='interleaved timing rounds (median reported)')
+    conversion.set_defaults(func=_bench_conversion)
     search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '
                                     '(synthetic activations), with the anchors\' full-rescore annealing as reference')
     search_bench.add_argument('--layers', type=int, default=32)

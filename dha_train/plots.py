@@ -111,3 +111,19 @@ def plot_kv_allocation(head_map, out: str | Path, title: str = '') -> Path:
     ax.xaxis.get_major_locator().set_params(integer=True)
     return _finish(fig, ax, out, 'layer', 'heads', f'{title} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)',
                    grid=False)
+
+
+def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'batch', ylabel: str = '',
+                references: dict | None = None, log_y: bool = False) -> Path:
+    """Named curves {name: [(x, y), ...]} on one axis, plus horizontal reference lines {name: y}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, points in curves.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker='o' if len(points) < 30 else None, markersize=3, linewidth=1.5, label=name)
+    for name, value in (references or {}).items():
+        ax.axhline(value, linestyle='--', linewidth=1, color='0.4', label=name)
+    if log_y:
+        ax.set_yscale('log')
+    return _finish(fig, ax, out, xlabel, ylabel, title)

@@ -6,7 +6,13 @@ Stages (each reused on a second run once finished, unless --fresh):
   data       `dha-train data prep` -> MDS shards per domain, train and val
   pretrain   yamls/pretrain/tiny.yaml: a tiny MHA LLaMA (the teacher later issues convert)
   export     Hugging Face folder of the trained model
-  report     per-domain validation loss at step 0 and at the end, loss-curve PNG, summary.json
+then the conversions at a 25% KV budget (yamls/dha/tiny/*.yaml and yamls/gqa/tiny_ct.yaml, in this process):
+  dha_search     DHA Search: warm-up fusion run, head distances, grouping and per-layer K/V budget -> head_map.json
+  dha_fusion     DHA Fusion until L_fusion < 1e-3, then baked into the DHA model (export)
+  dha_ct         continued pre-training of the DHA model
+  gqa_convert    the mean-pool GQA baseline (2 K/V heads per layer: the same 25%)
+  gqa_ct         its continued pre-training, with as many CT tokens as DHA's
+  report     per-domain validation loss, the conversion table (losses and KV-cache bytes), plots, summary.json
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ VOCAB_SIZE = 4096
 SEQ_LEN = 256
 CORPUS_BYTES_PER_DOMAIN = 3_000_000
 VAL_TOKENS = 4 * 16 * SEQ_LEN  # four eval batches per domain
+KV_BUDGET = 0.25
+GQA_KV_HEADS = 2  # of the teacher's 8 heads per layer: the same 25% budget
+DHA_NAME = 'tiny-dha25'
 
 
 class Stage:
@@ -80,7 +89,7 @@ def _data(out: Path, corpus: Path, tokenizer: Path) -> dict:
     return {'manifest': str(out / 'manifest.json'), 'domains': sorted(manifest['domains'])}
 
 
-def _history_from(logger) -> dict:
+def history_from(logger) -> dict:
     """Train loss per batch and per-domain eval loss per evaluation, from Composer's in-memory logger."""
     history: dict = {'train': [], 'eval': {}}
     for timestamp, value in logger.data.get('loss/train/total', []):
@@ -104,7 +113,7 @@ def _pretrain(out: Path, run: Path, seed: int, steps: int | None) -> dict:
     config = load_config(recipe_path(QUICKSTART_RECIPE), overrides)
     memory = InMemoryLogger()
     trainer = train(config, extra_loggers=[memory])
-    history = _history_from(memory)
+    history = history_from(memory)
     trainer.close()
     if not history['train']:
         raise RuntimeError(f'pretrain: nothing was trained; the checkpoints in {config.save_folder} are from a '
@@ -119,6 +128,124 @@ def _export(out: Path, checkpoint_folder: str) -> dict:
     from dha_train.export import export_hf
 
     export_hf(checkpoint_folder, out / 'hf', overwrite=True)
+    return {'hf_folder': str(out / 'hf')}
+
+
+def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extra_callbacks=()) -> tuple:
+    """One conversion stage in this process (one rank, no FSDP): (trainer, config, history from the in-memory
+    logger). Also used by `dha-train bench conversion`."""
+    from composer.loggers import InMemoryLogger
+
+    from dha_train.config import load_config
+    from dha_train.train import train
+
+    overrides = overrides + ['fsdp.enabled=false']
+    if max_batches is not None:
+        overrides.append(f'max_duration={max_batches}ba')
+    config = load_config(recipe_path(recipe), overrides)
+    memory = InMemoryLogger()
+    trainer = train(config, extra_loggers=[memory], extra_callbacks=extra_callbacks)
+    history = history_from(memory)
+    trainer.close()
+    return trainer, config, history
+
+
+def _dha_overrides(run: Path, *more: str) -> list[str]:
+    return [f'variables.data_root={run / "data"}', f'variables.save_root={run / "conversions"}',
+            f'variables.name={DHA_NAME}', *more]
+
+
+def mean_eval(history: dict, position: int) -> dict:
+    """Validation loss per domain at one evaluation (0: first, -1: last), with the mean over domains."""
+    losses = {domain: points[position][1] for domain, points in history['eval'].items()}
+    return {'batch': next(iter(history['eval'].values()))[position][0], 'per_domain': losses,
+            'mean': sum(losses.values()) / len(losses)}
+
+
+def mean_eval_curve(history: dict) -> list[tuple[int, float]]:
+    """(batch, validation loss averaged over the domains) at every evaluation."""
+    domains = list(history['eval'].values())
+    return [(points[0][0], sum(point[1] for point in points) / len(points)) for points in zip(*domains)]
+
+
+def _dha_search(run: Path, max_batches: int | None) -> dict:
+    from dha_train.models.head_map import HeadMap
+
+    teacher = run / 'export' / 'hf'
+    _, config, _ = train_stage('dha/tiny/search.yaml', _dha_overrides(
+        run, f'variables.model_path={teacher}', f'variables.kv_budget={KV_BUDGET}',
+        'callbacks.head_search.overwrite=true'), max_batches)
+    head_map_file = run / 'conversions' / f'{DHA_NAME}-search' / 'search' / 'head_map.json'
+    head_map = HeadMap.load(head_map_file)
+    return {'head_map': str(head_map_file), 'kv_heads': head_map.kv_heads(),
+            'kv_budget_fraction': head_map.kv_budget_fraction()}
+
+
+def _dha_fusion(out: Path, run: Path, max_batches: int | None) -> dict:
+    from dha_train.algorithms.head_fusion import HeadFusion
+    from dha_train.export import export_hf
+
+    teacher = run / 'export' / 'hf'
+    trainer, config, history = train_stage('dha/tiny/fusion.yaml',
+                                            _dha_overrides(run, f'variables.model_path={teacher}'), max_batches)
+    fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
+    hf = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'history.json').write_text(json.dumps({'fusion': fusion.history, 'train': history['train']}))
+    return {'hf_folder': str(hf), 'batches': len(fusion.history), 'converged_at': fusion.converged_at,
+            'tokens': len(fusion.history) * config.global_train_batch_size * SEQ_LEN,
+            'final_fusion_loss': fusion.history[-1]['fusion_loss'] if fusion.history else None,
+            'history': str(out / 'history.json')}
+
+
+def _continued_pretraining(out: Path, recipe: str, overrides: list[str], max_batches: int | None) -> dict:
+    from dha_train.export import export_hf
+
+    _, config, history = train_stage(recipe, overrides, max_batches)
+    save_folder = config.save_folder.format(run_name=config.run_name)
+    if not history['eval']:
+        raise RuntimeError(f'{recipe}: no evaluation was logged; the checkpoints in {save_folder} are from '
+                           'a finished run whose history was not saved. Run with --fresh.')
+    hf = export_hf(save_folder, Path(save_folder) / 'hf', overwrite=True)
+    head_map = _head_map_of(hf)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'history.json').write_text(json.dumps(history))
+    return {'hf_folder': str(hf), 'history': str(out / 'history.json'), 'initial': mean_eval(history, 0),
+            'final': mean_eval(history, -1), 'tokens': train_tokens(config),
+            'kv_cache_bytes': head_map.kv_cache_bytes(1, SEQ_LEN, bytes_per_element=2),
+            'kv_heads': head_map.kv_heads()}
+
+
+def _head_map_of(hf: Path):
+    """The head map of an exported folder: its head_map.json (DHA), else standard GQA from its config."""
+    from transformers import AutoConfig
+
+    from dha_train.models.head_map import HeadMap
+
+    if (hf / 'head_map.json').is_file():
+        return HeadMap.load(hf / 'head_map.json')
+    config = AutoConfig.from_pretrained(hf, local_files_only=True)
+    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+    return HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim)
+
+
+def train_tokens(config) -> int:
+    from composer.core import Time
+
+    return Time.from_timestring(config.max_duration).value * config.global_train_batch_size * SEQ_LEN
+
+
+def _gqa_convert(out: Path, run: Path) -> dict:
+    from transformers import AutoConfig
+
+    from dha_train.convert import convert_checkpoint
+    from dha_train.models.head_map import HeadMap
+
+    teacher = run / 'export' / 'hf'
+    config = AutoConfig.from_pretrained(teacher, local_files_only=True)
+    head_dim = config.hidden_size // config.num_attention_heads
+    head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, GQA_KV_HEADS, head_dim)
+    convert_checkpoint(teacher, out / 'hf', head_map, overwrite=True)
     return {'hf_folder': str(out / 'hf')}
 
 
@@ -148,8 +275,48 @@ def _report(run: Path, history: dict, timings: dict) -> dict:
     return summary
 
 
+def _conversion_report(run: Path, mha_loss: dict, mha_kv_bytes: int, search: dict, fusion: dict, dha_ct: dict,
+                       gqa_ct: dict) -> dict:
+    """The conversion table: losses (mean over the validation domains) and KV-cache bytes, plus the plots."""
+    from dha_train.plots import plot_curves
+
+    rows = [
+        ('MHA teacher', mha_loss['mean'], mha_kv_bytes, 0),
+        ('GQA at init (mean-pool)', gqa_ct['initial']['mean'], gqa_ct['kv_cache_bytes'], 0),
+        (f'GQA after CT', gqa_ct['final']['mean'], gqa_ct['kv_cache_bytes'], gqa_ct['tokens']),
+        (f'DHA after fusion (baked)', dha_ct['initial']['mean'], dha_ct['kv_cache_bytes'], fusion['tokens']),
+        (f'DHA after CT', dha_ct['final']['mean'], dha_ct['kv_cache_bytes'], fusion['tokens'] + dha_ct['tokens']),
+    ]
+    gqa_history = json.loads(Path(gqa_ct['history']).read_text())
+    dha_history = json.loads(Path(dha_ct['history']).read_text())
+
+    curves = plot_curves({'GQA CT (val)': mean_eval_curve(gqa_history), 'DHA CT (val)': mean_eval_curve(dha_history)},
+                         run / 'conversion_loss.png', title='25% KV budget: continued pre-training',
+                         xlabel='CT batch', ylabel='val cross-entropy (mean of domains)',
+                         references={'MHA teacher': mha_loss['mean']})
+    fusion_history = json.loads(Path(fusion['history']).read_text())['fusion']
+    fusion_plot = plot_curves(
+        {'L_fusion': [(i + 1, r['fusion_loss']) for i, r in enumerate(fusion_history)],
+         'margin t(s)': [(i + 1, max(r['margin'], 1e-6)) for i, r in enumerate(fusion_history)],
+         'lambda': [(i + 1, max(r['lambda'], 1e-6)) for i, r in enumerate(fusion_history)]},
+        run / 'fusion_curve.png', title='DHA fusion', ylabel='value (log scale)', log_y=True)
+    print()
+    print(f'conversions at a {KV_BUDGET:.0%} KV budget (DHA K/V heads per layer: {search["kv_heads"]})')
+    print(f'  {"model":<28} {"val loss":>9} {"KV bytes/seq":>13} {"train tokens":>13}')
+    for name, loss, kv_bytes, tokens in rows:
+        print(f'  {name:<28} {loss:>9.4f} {kv_bytes:>13,} {tokens:>13,}')
+    converged = fusion['converged_at']
+    print(f'  fusion: L_fusion {fusion["final_fusion_loss"]:.2e} after {fusion["batches"]} batches'
+          + (f' (converged at batch {converged})' if converged else ' (did NOT reach the threshold)'))
+    print(f'  KV bytes per sequence of {SEQ_LEN} tokens in bf16. Plots: {curves}, {fusion_plot}')
+    return {'rows': [{'model': n, 'val_loss': l, 'kv_cache_bytes': b, 'train_tokens': t} for n, l, b, t in rows],
+            'dha_kv_heads': search['kv_heads'], 'fusion': {k: fusion[k] for k in ('batches', 'converged_at',
+                                                                                    'final_fusion_loss')},
+            'plots': [str(curves), str(fusion_plot)]}
+
+
 def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bool = False,
-                   steps: int | None = None) -> dict:
+                   steps: int | None = None, conversion_steps: int | None = None) -> dict:
     run = Path(out).resolve()
     if fresh and run.exists():
         if not (run / 'quickstart.json').is_file():
@@ -158,15 +325,38 @@ def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bo
     if run.exists() and any(run.iterdir()) and not (run / 'quickstart.json').is_file():
         raise FileExistsError(f'{run} exists and is not a quickstart run folder; choose another --out')
     run.mkdir(parents=True, exist_ok=True)
-    (run / 'quickstart.json').write_text(json.dumps({'seed': seed, 'steps': steps}))
+    (run / 'quickstart.json').write_text(json.dumps({'seed': seed, 'steps': steps,
+                                                     'conversion_steps': conversion_steps}))
 
     corpus = _run_stage(run, 'corpus', lambda d: _corpus(d, seed))
     tokenizer = _run_stage(run, 'tokenizer', lambda d: _tokenizer(d, run / 'corpus'))
     data = _run_stage(run, 'data', lambda d: _data(d, run / 'corpus', run / 'tokenizer'))
     pretrain = _run_stage(run, 'pretrain', lambda d: _pretrain(d, run, seed, steps))
     export = _run_stage(run, 'export', lambda d: _export(d, pretrain['checkpoint_folder']))
+    cap = conversion_steps
+    search = _run_stage(run, 'dha_search', lambda d: _dha_search(run, cap))
+    fusion = _run_stage(run, 'dha_fusion', lambda d: _dha_fusion(d, run, cap))
+    dha_ct = _run_stage(run, 'dha_ct', lambda d: _continued_pretraining(d, 'dha/tiny/ct.yaml', _dha_overrides(
+        run, f'variables.model_path={fusion["hf_folder"]}'), cap))
+    gqa = _run_stage(run, 'gqa_convert', lambda d: _gqa_convert(d, run))
+    gqa_ct = _run_stage(run, 'gqa_ct', lambda d: _continued_pretraining(d, 'gqa/tiny_ct.yaml', [
+        f'variables.model_path={gqa["hf_folder"]}', f'variables.data_root={run / "data"}',
+        f'variables.save_root={run / "conversions"}', f'max_duration={dha_ct["tokens"] // (16 * SEQ_LEN)}ba'], None))
     history = json.loads(Path(pretrain['history']).read_text())
-    timings = {name: stage['seconds'] for name, stage in
-               (('corpus', corpus), ('tokenizer', tokenizer), ('data', data), ('pretrain', pretrain),
-                ('export', export))}
-    return _report(run, history, timings)
+    stages = (('corpus', corpus), ('tokenizer', tokenizer), ('data', data), ('pretrain', pretrain), ('export', export),
+              ('dha_search', search), ('dha_fusion', fusion), ('dha_ct', dha_ct), ('gqa_convert', gqa),
+              ('gqa_ct', gqa_ct))
+    timings = {name: stage['seconds'] for name, stage in stages}
+    summary = _report(run, history, timings)
+    from dha_train.models.head_map import HeadMap
+
+    teacher = HeadMap.load(Path(search['head_map']))
+    mha_kv_bytes = HeadMap.mha(len(teacher.layers), teacher.layers[0].num_query_heads, teacher.head_dim).kv_cache_bytes(
+        1, SEQ_LEN, bytes_per_element=2)
+    mha_loss = mean_eval(history, -1)
+    summary['conversions'] = _conversion_report(run, mha_loss, mha_kv_bytes, search, fusion, dha_ct, gqa_ct)
+    summary['stage_seconds'] = timings
+    summary['total_seconds'] = round(sum(timings.values()), 1)
+    (run / 'summary.json').write_text(json.dumps(summary, indent=2))
+    print(f'  total: {summary["total_seconds"]} s of stage time')
+    return summary
