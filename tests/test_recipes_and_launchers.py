@@ -55,3 +55,42 @@ def test_single_node_launcher_uses_nproc(tmp_path):
     out = subprocess.run(['bash', 'launch/single_node.sh', 'r.yaml'], env=env, cwd=REPO, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ['-n', '8', '-m', 'dha_train.train', 'r.yaml']
+
+
+@pytest.mark.parametrize('model', ['llama2-7b', 'sheared-llama-2.7b', 'sheared-llama-1.3b', 'tiny'])
+def test_dha_recipes_build_their_components_and_follow_table_4(model):
+    from dha_train import components, registry  # noqa: F401
+    from dha_train.algorithms.head_fusion import HeadFusion
+    from dha_train.callbacks.head_search import HeadSearch
+
+    stages = {stage: load_config(REPO / 'yamls/dha' / model / f'{stage}.yaml',
+                                 PLACEHOLDERS[1:3] if stage == 'ct' else PLACEHOLDERS[:3])  # CT reads the Fusion's
+              for stage in ('search', 'fusion', 'ct')}
+    search = registry.callbacks.build_all(stages['search'].callbacks)
+    assert any(isinstance(c, HeadSearch) and c.kv_budget == 0.25 for c in search)
+    (warmup,) = registry.algorithms.build_all(stages['search'].algorithms)
+    assert warmup.warmup_groups == 1 and not warmup.stop_at_threshold
+    (fusion,) = registry.algorithms.build_all(stages['fusion'].algorithms)
+    assert isinstance(fusion, HeadFusion) and fusion.omega_lr == 0.05 and fusion.threshold == 1e-3
+    # Each stage reads the previous stage's output under the same save_root and name.
+    assert fusion.head_map_path == str(Path(stages['search'].save_folder) / 'search' / 'head_map.json')
+    assert stages['ct'].model.pretrained_path == str(Path(stages['fusion'].save_folder) / 'hf')
+    if model != 'tiny':  # Table 4: fusion 0.2B tokens in 262K-token batches, CT 5B in 1M; lr 1e-4; seq 4096
+        assert fusion.lambda_lr == 0.05
+        assert stages['fusion'].global_train_batch_size == 64 and stages['fusion'].max_duration == '800ba'
+        assert stages['ct'].global_train_batch_size == 256 and stages['ct'].max_duration == '5000ba'
+        assert stages['fusion'].optimizer.lr == stages['ct'].optimizer.lr == 1e-4
+        assert stages['fusion'].scheduler.t_warmup == '80ba' and stages['ct'].scheduler.t_warmup == '150ba'
+        assert all(s.fsdp.enabled and s.autoresume and 'wandb' in s.loggers for s in stages.values())
+
+
+def test_dha_pipeline_launcher_refuses_bad_arguments(tmp_path):
+    (tmp_path / 'm').mkdir()
+    (tmp_path / 'm' / 'config.json').write_text('{}')
+    env = {**os.environ, 'COMPOSER': 'true', 'DHA_TRAIN': 'true'}
+    bad_budget = subprocess.run(['bash', 'launch/dha_pipeline.sh', str(tmp_path / 'm'), 'yamls/dha/tiny', 'd', 's',
+                                 '25'], env=env, cwd=REPO, capture_output=True, text=True)
+    assert bad_budget.returncode == 2 and 'kv_budget must be a fraction' in bad_budget.stderr
+    no_model = subprocess.run(['bash', 'launch/dha_pipeline.sh', str(tmp_path / 'x'), 'yamls/dha/tiny', 'd', 's',
+                               '0.25'], env=env, cwd=REPO, capture_output=True, text=True)
+    assert no_model.returncode == 2 and 'not a HF model folder' in no_model.stderr
