@@ -107,3 +107,35 @@ def run_composer(nproc: int, recipe: Path, *overrides: str, port: int, log: Path
         done = subprocess.run(composer_command(nproc, recipe, *overrides, port=port), stdout=handle,
                               stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout)
     return done
+
+
+def latest_checkpoint_batch(save_folder: Path) -> int | None:
+    """The batch of the checkpoint ``latest-rank0.pt`` points to, or None before the first checkpoint."""
+    import re
+
+    link = save_folder / 'latest-rank0.pt'
+    if not link.is_symlink():
+        return None
+    match = re.search(r'ba(\d+)', os.readlink(link))
+    return int(match.group(1)) if match else None
+
+
+def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *, port: int, log: Path,
+                                     at_least: int) -> int:
+    """Launch `composer -n 2`, SIGKILL the whole process group as soon as a checkpoint at batch >= ``at_least``
+    exists, and return the batch the run would resume from."""
+    import signal
+    import time
+
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
+    with log.open('w') as handle:
+        proc = subprocess.Popen(composer_command(2, recipe, f'save_folder={save_folder}', port=port),
+                                stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while (latest_checkpoint_batch(save_folder) or 0) < at_least:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, 'no checkpoint appeared in time'
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return latest_checkpoint_batch(save_folder)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, composer_command, run_composer, tiny_recipe, write_recipe
+from conftest import launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
 
 MAX_BATCHES = 48
 SAVE_EVERY = 6
@@ -36,14 +32,6 @@ def _recipe(tmp: Path, data_root: Path, tokenizer_dir: Path) -> Path:
 
 def _floats(pattern: str, text: str) -> list[float]:
     return [float(x) for x in re.findall(pattern + r': ([-+0-9.eEnaif]+)', text)]
-
-
-def _latest_batch(save_folder: Path) -> int | None:
-    link = save_folder / 'latest-rank0.pt'
-    if not link.is_symlink():
-        return None
-    match = re.search(r'ba(\d+)', os.readlink(link))
-    return int(match.group(1)) if match else None
 
 
 @pytest.fixture(scope='module')
@@ -78,19 +66,8 @@ def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted
     reference_tmp, recipe, returncode, _ = uninterrupted
     assert returncode == 0
     save_folder = tmp_path / 'ckpt'
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
-    first_log = tmp_path / 'killed.txt'
-    with first_log.open('w') as handle:
-        proc = subprocess.Popen(composer_command(2, recipe, f'save_folder={save_folder}', port=29612),
-                                stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while (_latest_batch(save_folder) or 0) < SAVE_EVERY:
-            assert proc.poll() is None, first_log.read_text()[-4000:]
-            assert time.monotonic() < deadline, 'no checkpoint appeared in time'
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    resumed_from = _latest_batch(save_folder)
+    resumed_from = launch_and_kill_after_checkpoint(recipe, save_folder, port=29612, log=tmp_path / 'killed.txt',
+                                                    at_least=SAVE_EVERY)
     assert resumed_from is not None and SAVE_EVERY <= resumed_from < MAX_BATCHES, resumed_from
 
     log = tmp_path / 'resumed.txt'

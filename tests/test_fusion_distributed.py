@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, composer_command, run_composer, write_recipe
-from test_distributed import _latest_batch
+from conftest import REPO, launch_and_kill_after_checkpoint, run_composer, write_recipe
 from test_head_fusion import fusion_recipe
 
 MAX_BATCHES = 24
@@ -67,18 +64,8 @@ def test_fusion_sigkill_then_autoresume_continues_exactly(uninterrupted_fusion, 
     recipe, reference_folder, reference_log = uninterrupted_fusion
     assert 'fusion/layer1/value_self_weight' in reference_log and 'fusion/lambda' in reference_log  # monitor logs
     save_folder = tmp_path / 'ckpt'
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
-    with (tmp_path / 'killed.txt').open('w') as handle:
-        proc = subprocess.Popen(composer_command(2, recipe, f'save_folder={save_folder}', port=29643),
-                                stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while (_latest_batch(save_folder) or 0) < SAVE_EVERY:
-            assert proc.poll() is None, (tmp_path / 'killed.txt').read_text()[-4000:]
-            assert time.monotonic() < deadline, 'no checkpoint appeared in time'
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    resumed_from = _latest_batch(save_folder)
+    resumed_from = launch_and_kill_after_checkpoint(recipe, save_folder, port=29643, log=tmp_path / 'killed.txt',
+                                                    at_least=SAVE_EVERY)
     assert resumed_from is not None and SAVE_EVERY <= resumed_from < MAX_BATCHES, resumed_from
     done = run_composer(2, recipe, f'save_folder={save_folder}', port=29644, log=tmp_path / 'resumed.txt')
     text = (tmp_path / 'resumed.txt').read_text()
