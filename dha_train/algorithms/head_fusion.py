@@ -86,25 +86,20 @@ class HeadFusion(Algorithm):
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
+    def _recorded_projections(self) -> list[tuple[FusedProjection, FusedProjection]]:
+        if any(p.pair_squares is None for pair in self.projections for p in pair):
+            raise RuntimeError('head_fusion: no forward pass has recorded the fusion terms yet')
+        return self.projections
+
     def kind_losses(self) -> list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """Each layer's K and V fusion loss from the last forward (None for a kind whose groups hold one head)."""
-        losses = []
-        for key, value in self.projections:
-            if key.pair_squares is None or value.pair_squares is None:
-                raise RuntimeError('head_fusion: no forward pass has recorded the fusion terms yet')
-            losses.append(tuple(p.pair_squares / p.pair_elements if p.pair_elements else None for p in (key, value)))
-        return losses
+        return [tuple(p.pair_squares / p.pair_elements if p.pair_elements else None for p in pair)
+                for pair in self._recorded_projections()]
 
     def layer_losses(self) -> list[torch.Tensor]:
         """Each layer's fusion loss from the last forward (mean squared omega difference over its K and V pairs)."""
-        losses = []
-        for key, value in self.projections:
-            if key.pair_squares is None or value.pair_squares is None:
-                raise RuntimeError('head_fusion: no forward pass has recorded the fusion terms yet')
-            elements = key.pair_elements + value.pair_elements
-            if elements:
-                losses.append((key.pair_squares + value.pair_squares) / elements)
-        return losses
+        return [(key.pair_squares + value.pair_squares) / (key.pair_elements + value.pair_elements)
+                for key, value in self._recorded_projections() if key.pair_elements + value.pair_elements]
 
     def fusion_loss(self) -> torch.Tensor:
         losses = self.layer_losses()

@@ -120,24 +120,26 @@ class HeadSearch(Callback):
             self.omega_sum += omega
             self.loss_sum += losses
         self.records += 1
-        num_heads = weight.shape[-1]
-        off_diagonal = ~torch.eye(num_heads, dtype=torch.bool)
         metrics = {}
         for index, kind in enumerate(KINDS):
             for layer in range(num_layers):
                 matrix = index * num_layers + layer
-                metrics[f'search/layer{layer}/{kind}_head_distance'] = float(weight[matrix][off_diagonal].mean())
-                metrics[f'search/layer{layer}/{kind}_omega_distance'] = float(omega[matrix][off_diagonal].mean())
+                metrics[f'search/layer{layer}/{kind}_head_distance'] = _mean_off_diagonal(weight[matrix])
+                metrics[f'search/layer{layer}/{kind}_omega_distance'] = _mean_off_diagonal(omega[matrix])
         logger.log_metrics(metrics)
 
     # --- the search ---------------------------------------------------------------------------------------------
+
+    def mean_distances(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2L, H, H) weight-space and omega-only distances averaged over the recorded batches."""
+        return self.weight_sum / self.records, self.omega_sum / self.records
 
     def search(self) -> dict:
         """Group and allocate from the mean distances; returns the report (the head map under 'head_map')."""
         if not self.records:
             raise RuntimeError(f'head_search: no distances were recorded (start_batch={self.start_batch}, '
                                f'interval={self.interval}); the Search run was too short')
-        weight, omega = self.weight_sum / self.records, self.omega_sum / self.records
+        weight, omega = self.mean_distances()
         num_layers, num_heads = weight.shape[0] // 2, weight.shape[-1]
         head_dim = self._fusion.projections[0][0].head_dim
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
@@ -170,7 +172,7 @@ class HeadSearch(Callback):
 
         head_map = HeadMap.from_dict(self.result['head_map'])
         num_layers = len(head_map.layers)
-        weight, omega = self.weight_sum / self.records, self.omega_sum / self.records
+        weight, omega = self.mean_distances()
         with staged_folder(self.out, overwrite=True) as staging:
             head_map.save(staging / HEAD_MAP_FILE)
             (staging / SEARCH_REPORT).write_text(json.dumps(self.result, indent=2) + '\n')
