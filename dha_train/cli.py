@@ -10,8 +10,14 @@ def _quickstart(args) -> int:
     from dha_train.quickstart import run_quickstart
 
     run_quickstart(out=args.out, seed=args.seed, fresh=args.fresh, steps=args.steps,
-                   conversion_steps=args.conversion_steps)
+                   conversion_steps=args.conversion_steps, teacher=args.teacher)
     return 0
+
+
+def _teacher_argument(parser) -> None:
+    parser.add_argument('--teacher', nargs='+', default=[], metavar='KEY=VALUE',
+                        help='overrides of the teacher\'s pretraining recipe, e.g. model.config.hidden_size=1024 '
+                             'model.config.num_hidden_layers=8 for a larger model on a GPU (default: the tiny one)')
 
 
 def _data_prep(args) -> int:
@@ -122,7 +128,7 @@ def _bench_conversion(args) -> int:
     from dha_train.bench.conversion import run_conversion_bench
 
     run_conversion_bench(run=args.run, out=args.out, gqa_multiple=args.gqa_multiple, eval_every=args.eval_every,
-                         timing_batches=args.timing_batches, repeats=args.repeats)
+                         timing_batches=args.timing_batches, repeats=args.repeats, teacher=args.teacher)
     return 0
 
 
@@ -147,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument('--steps', type=int, default=None, help='pretraining batches (default: the recipe value)')
     quick.add_argument('--conversion-steps', dest='conversion_steps', type=int, default=None,
                        help='cap on the batches of each conversion stage (default: the recipe values)')
+    _teacher_argument(quick)
     quick.set_defaults(func=_quickstart)
 
     data = commands.add_parser('data', help='data preparation').add_subparsers(dest='data_command', required=True)
@@ -200,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     conversion.add_argument('--eval-every', dest='eval_every', type=int, default=10)
     conversion.add_argument('--timing-batches', dest='timing_batches', type=int, default=20)
     conversion.add_argument('--repeats', type=int, default=3, help='interleaved timing rounds (median reported)')
+    _teacher_argument(conversion)
     conversion.set_defaults(func=_bench_conversion)
     search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '
                                     '(synthetic activations), with the anchors\' full-rescore annealing as reference')

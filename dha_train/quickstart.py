@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dha_train.paths import recipe_path
@@ -101,13 +102,13 @@ def history_from(logger) -> dict:
     return history
 
 
-def _pretrain(out: Path, run: Path, seed: int, steps: int | None) -> dict:
+def _pretrain(out: Path, run: Path, seed: int, steps: int | None, teacher: Sequence[str]) -> dict:
     from composer.loggers import InMemoryLogger
 
     from dha_train.config import load_config
     from dha_train.train import train
 
-    overrides = [f'variables.run_dir={run}', f'seed={seed}']
+    overrides = [f'variables.run_dir={run}', f'seed={seed}', *teacher]
     if steps is not None:
         overrides.append(f'max_duration={steps}ba')
     config = load_config(recipe_path(QUICKSTART_RECIPE), overrides)
@@ -316,22 +317,30 @@ def _conversion_report(run: Path, mha_loss: dict, mha_kv_bytes: int, search: dic
 
 
 def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bool = False,
-                   steps: int | None = None, conversion_steps: int | None = None) -> dict:
+                   steps: int | None = None, conversion_steps: int | None = None, teacher: Sequence[str] = ()) -> dict:
+    """The quickstart in ``out``, reusing its finished stages. ``teacher``: overrides of the teacher's pretraining
+    recipe (e.g. ``model.config.hidden_size=1024``, for a larger model on a GPU); every conversion loads the
+    teacher, so they follow it."""
     run = Path(out).resolve()
+    settings = {'seed': seed, 'steps': steps, 'conversion_steps': conversion_steps, 'teacher': list(teacher)}
     if fresh and run.exists():
         if not (run / 'quickstart.json').is_file():
             raise FileExistsError(f'{run} exists but is not a quickstart run folder; refusing to delete it')
         shutil.rmtree(run)
     if run.exists() and any(run.iterdir()) and not (run / 'quickstart.json').is_file():
         raise FileExistsError(f'{run} exists and is not a quickstart run folder; choose another --out')
+    if (run / 'quickstart.json').is_file():
+        earlier = {'teacher': [], **json.loads((run / 'quickstart.json').read_text())}
+        if earlier != settings:
+            raise ValueError(f'{run} was made with other settings ({earlier}, now {settings}): its finished stages '
+                             'would be reused; pass --fresh to redo them, or choose another --out')
     run.mkdir(parents=True, exist_ok=True)
-    (run / 'quickstart.json').write_text(json.dumps({'seed': seed, 'steps': steps,
-                                                     'conversion_steps': conversion_steps}))
+    (run / 'quickstart.json').write_text(json.dumps(settings))
 
     corpus = _run_stage(run, 'corpus', lambda d: _corpus(d, seed))
     tokenizer = _run_stage(run, 'tokenizer', lambda d: _tokenizer(d, run / 'corpus'))
     data = _run_stage(run, 'data', lambda d: _data(d, run / 'corpus', run / 'tokenizer'))
-    pretrain = _run_stage(run, 'pretrain', lambda d: _pretrain(d, run, seed, steps))
+    pretrain = _run_stage(run, 'pretrain', lambda d: _pretrain(d, run, seed, steps, teacher))
     export = _run_stage(run, 'export', lambda d: _export(d, pretrain['checkpoint_folder']))
     cap = conversion_steps
     search = _run_stage(run, 'dha_search', lambda d: _dha_search(run, cap))

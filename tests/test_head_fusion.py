@@ -12,6 +12,7 @@ from conftest import tiny_recipe
 from dha_train.algorithms.head_fusion import OMEGA_GROUP, HeadFusion
 from dha_train.models.fusion import FusedProjection
 from dha_train.models.head_map import HeadMap
+from dha_train.ops.fusion import group_members
 
 # 4 heads: K grouped {0,2},{1,3} and V {0,1},{2,3} in layer 0; K {0,1,2,3} and V {0,3},{1,2} in layer 1.
 TINY_MAP = HeadMap.dha([[[0, 2], [1, 3]], [[0, 1, 2, 3]]], [[[0, 1], [2, 3]], [[0, 3], [1, 2]]], num_heads=4,
@@ -26,14 +27,15 @@ def tiny_mha() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize('options', ['map', 'warmup'])
+@pytest.mark.parametrize('options', ['map', 'warmup', 'progressive'])
 def test_fusion_model_at_init_equals_mha(tmp_path, options):
     mha = tiny_mha()
     fused = copy.deepcopy(mha)
-    if options == 'map':
-        algorithm = HeadFusion(head_map=str(TINY_MAP.save(tmp_path / 'head_map.json')))
-    else:
+    if options == 'warmup':
         algorithm = HeadFusion(warmup_groups=1)
+    else:
+        algorithm = HeadFusion(head_map=str(TINY_MAP.save(tmp_path / 'head_map.json')),
+                               progressive=[2] if options == 'progressive' else None)
     omegas = algorithm.apply_surgery(fused)
     assert len(omegas) == 4 and all(isinstance(p, FusedProjection) for pair in algorithm.projections for p in pair)
     ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -42,7 +44,9 @@ def test_fusion_model_at_init_equals_mha(tmp_path, options):
     # At the Kronecker init a pair of a g-group differs by 2 d squared units over g d weights. Layer 0 of the map:
     # K and V pairs of g = 2 -> 1. Layer 1: 6 K pairs of g = 4 (64 weights each) and 2 V pairs of g = 2 (32 each):
     # (6 * 32 + 2 * 32) / (6 * 64 + 2 * 32) = 4 / 7. Warm-up (one group of 4 for K and V in both layers): 2 / 4.
-    expected = (1 + 4 / 7) / 2 if options == 'map' else 2 / 4
+    # Progressive [2]: the first stage counts only 2 sub-pairs of layer 1's K group: (2 * 32 + 2 * 32) / (2 * 64
+    # + 2 * 32) = 2 / 3.
+    expected = {'map': (1 + 4 / 7) / 2, 'warmup': 2 / 4, 'progressive': (1 + 2 / 3) / 2}[options]
     assert float(algorithm.fusion_loss()) == pytest.approx(expected, rel=1e-6)
 
 
@@ -127,3 +131,54 @@ def test_baked_dha_model_equals_the_fusion_model_when_groups_agree(tmp_path):
         assert float(algorithm.fusion_loss()) < 1e-12
         torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
 
+
+
+def test_progressive_fusion_stage_state_round_trips_and_must_match_the_recipe(tmp_path):
+    head_map = str(TINY_MAP.save(tmp_path / 'head_map.json'))
+    algorithm = HeadFusion(head_map=head_map, progressive=[2])
+    algorithm.apply_surgery(tiny_mha())
+    key_pairs = algorithm.stage_subgroups[1][0]  # layer 1's K group of 4, split into the 2 closest pairs
+    assert len(key_pairs) == 2 and sorted(h for pair in key_pairs for h in pair) == [0, 1, 2, 3]
+    algorithm.stage_subgroups[1][0] = [[0, 3], [1, 2]] if key_pairs != [[0, 3], [1, 2]] else [[0, 1], [2, 3]]
+    algorithm.stage, algorithm.stage_started = 0, 7
+    saved = algorithm.state_dict()
+
+    resumed = HeadFusion(head_map=head_map, progressive=[2])
+    resumed.apply_surgery(tiny_mha())
+    resumed.load_state_dict(saved)
+    assert resumed.stage_subgroups == algorithm.stage_subgroups and resumed.stage_started == 7
+    expected = group_members(algorithm.stage_subgroups[1][0], 4)
+    assert torch.equal(resumed.projections[1][0].fusion_pairs, expected)
+    plain = HeadFusion(head_map=head_map)
+    plain.apply_surgery(tiny_mha())
+    with pytest.raises(ValueError, match='progressive'):
+        plain.load_state_dict(saved)
+    with pytest.raises(ValueError, match='progressive'):
+        HeadFusion(warmup_groups=1, progressive=[2])
+    with pytest.raises(ValueError, match='progressive'):
+        HeadFusion(head_map=head_map, progressive=[4, 2])
+
+
+def test_tiny_progressive_fusion_run_fuses_pairs_first_then_the_whole_groups(tmp_path, data_root, tokenizer_dir):
+    from dha_train.config import load_config
+    from dha_train.train import train
+
+    recipe = fusion_recipe(tmp_path, data_root, tokenizer_dir)
+    recipe['algorithms']['head_fusion']['progressive'] = [2]
+    trainer = train(load_config(recipe))
+    try:
+        fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
+        history = fusion.history
+        stages = [record["stage"] for record in history]
+        switch = stages.index(1)
+        assert stages == [0] * switch + [1] * (len(history) - switch)
+        assert history[0]['fusion_loss'] == pytest.approx((1 + 2 / 3) / 2, rel=1e-4)
+        # Stage 0 ended below the threshold on its sub-pairs; stage 1 adds the cross-pair terms of layer 1's K
+        # group, so its loss starts above the threshold, under a fresh lambda and margin.
+        assert history[switch - 1]['fusion_loss'] < 1e-3 < history[switch]['fusion_loss']
+        assert history[switch]['margin'] == pytest.approx(history[0]['margin'])
+        assert history[switch]['lambda'] < history[switch - 1]['lambda']
+        assert fusion.converged_at is not None and history[-1]['fusion_loss'] < 1e-3
+        assert fusion.stage_subgroups[1][0] == [[0, 1, 2, 3]]
+    finally:
+        trainer.close()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dha_train.ops.fusion import (bake, dual_ascent, fuse_weight, fusion_loss, fusion_margin, group_members,
-                                  head_distances, kronecker_omega, lagrangian_penalty)
+                                  head_distances, kronecker_omega, lagrangian_penalty, progressive_sizes,
+                                  split_into_subgroups)
 from dha_train.ops.heads import gather_heads
 
 HEADS, HEAD_DIM, WIDTH = 6, 4, 5
@@ -109,3 +110,32 @@ def test_baked_compact_heads_equal_the_fused_model_when_groups_agree():
     assert torch.allclose(expanded, fuse_weight(source, omega, members), atol=1e-12)
     with pytest.raises(ValueError, match='equal-size'):
         group_members([[0, 1], [2, 3, 4, 5]], HEADS)
+
+
+@pytest.mark.parametrize('group_size, stages, expected', [
+    (8, [2, 4], [2, 4, 8]), (4, [2, 4], [2, 4, 4]), (2, [2], [2, 2]), (6, [4], [3, 6]), (3, [2], [1, 3]),
+    (6, [2, 4], [2, 2, 6]), (12, [2, 4], [2, 4, 12])])
+def test_progressive_sizes_divide_the_group_and_nest(group_size, stages, expected):
+    assert progressive_sizes(group_size, stages) == expected
+
+
+def test_split_into_subgroups_pairs_the_closest_heads_then_joins_the_closest_pairs():
+    # Two groups of 8 heads; in the first, heads 0-5, 1-4, 2-7, 3-6 are nearly identical (distance 0.1), pair
+    # (0, 5) is close to pair (2, 7) (distance 1) and (1, 4) to (3, 6); everything else is 5.
+    distance = torch.full((16, 16), 5.0)
+    for a, b, d in [(0, 5, 0.1), (1, 4, 0.1), (2, 7, 0.1), (3, 6, 0.1)]:
+        distance[a, b] = distance[b, a] = d
+    for first, second in [((0, 5), (2, 7)), ((1, 4), (3, 6))]:
+        for a in first:
+            for b in second:
+                distance[a, b] = distance[b, a] = 1.0
+    distance.fill_diagonal_(0.0)
+    groups = [list(range(8)), list(range(8, 16))]
+    pairs = split_into_subgroups(distance, groups, 2)
+    assert pairs[:4] == [[0, 5], [1, 4], [2, 7], [3, 6]] and sorted(h for p in pairs[4:] for h in p) == groups[1]
+    quads = split_into_subgroups(distance, groups, 4, previous=pairs)
+    assert [[0, 2, 5, 7], [1, 3, 4, 6]] == [q for q in quads if q[0] < 8]
+    assert all(any(set(pair) <= set(quad) for quad in quads) for pair in pairs)  # quads are unions of the pairs
+    assert split_into_subgroups(distance, groups, 8, previous=quads) == groups
+    with pytest.raises(ValueError, match='cannot split'):
+        split_into_subgroups(distance, groups, 3)

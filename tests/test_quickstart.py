@@ -58,3 +58,14 @@ def test_quickstart_short_run_then_reuse(tmp_path):
                   'gqa_convert', 'gqa_ct'):
         assert f'{stage}: reusing finished stage' in second.stdout
     assert json.loads((out / 'summary.json').read_text())['per_domain_val_loss'] == rows
+
+
+def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_path):
+    import pytest
+
+    from dha_train.quickstart import run_quickstart
+
+    (tmp_path / 'quickstart.json').write_text(json.dumps({'seed': 17, 'steps': 12, 'conversion_steps': 4}))
+    with pytest.raises(ValueError, match='other settings'):
+        run_quickstart(tmp_path, steps=12, conversion_steps=4, teacher=['model.config.hidden_size=256'])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['quickstart.json']  # nothing was run or overwritten

@@ -9,7 +9,15 @@
 - ``Event.BATCH_END``: dual ascent on lambda, the margin step advances, the history grows; once L_fusion falls below
   ``threshold`` the run stops cleanly (``stop_at_threshold``). The ``fusion_monitor`` callback logs all of it.
 
-lambda, the step, the history and the convergence batch are the algorithm's state, saved in every checkpoint.
+Progressive fusion (seed 000 B.2, ``progressive: [2]`` = fuse 2x, then the whole groups): the loss first counts
+only the pairs within sub-groups of each head-map group (the closest heads by Eq. 6's weight-space distance, split
+by the annealing search); each time it falls below ``threshold`` the next stage joins sub-groups (their union with
+the nearest others, ``ops.fusion.split_into_subgroups``), lambda restarts at ``lambda_init`` and the margin schedule
+restarts; the run converges when the last stage (the whole groups) falls below the threshold. The paper's
+LM-only measuring steps before each stage are not reproduced: a stage clusters on the weights as they are then.
+
+lambda, the step, the stage, its sub-groups, the history and the convergence batch are the algorithm's state,
+saved in every checkpoint.
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from dha_train import registry
-from dha_train.models.fusion import FusedProjection
+from dha_train.models.fusion import FusedProjection, unsharded
 from dha_train.models.head_map import HeadMap
-from dha_train.ops.fusion import dual_ascent, fusion_margin, group_members, lagrangian_penalty
-from dha_train.ops.grouping import neighbour_groups
+from dha_train.ops.fusion import (dual_ascent, fusion_margin, group_members, head_distances, lagrangian_penalty,
+                                  progressive_sizes, split_into_subgroups)
+from dha_train.ops.grouping import Partition, neighbour_groups
 
 OMEGA_GROUP = 'fusion_omega'
 
@@ -36,9 +45,16 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
 class HeadFusion(Algorithm):
     def __init__(self, head_map: Optional[str] = None, warmup_groups: Optional[int] = None, omega_lr: float = 0.05,
                  lambda_lr: float = 0.05, lambda_init: float = 0.0, rho: float = 0.0, margin_base: float = 0.999,
-                 margin_warmup_steps: int = 80, threshold: float = 1e-3, stop_at_threshold: bool = True):
+                 margin_warmup_steps: int = 80, threshold: float = 1e-3, stop_at_threshold: bool = True,
+                 progressive: Optional[list[int]] = None, progressive_seed: int = 0):
         if (head_map is None) == (warmup_groups is None):
             raise ValueError('head_fusion: give exactly one of head_map (Fusion) and warmup_groups (Search)')
+        progressive = list(progressive or [])
+        if progressive and (warmup_groups is not None or any(not isinstance(size, int) or size < 2
+                                                             for size in progressive)
+                            or progressive != sorted(set(progressive))):
+            raise ValueError(f'head_fusion: progressive must be increasing sub-group sizes >= 2 (e.g. [2] to fuse 2x '
+                             f'before the whole groups), used with head_map only; got {progressive}')
         if threshold <= 0 or omega_lr <= 0 or lambda_lr < 0 or rho < 0 or margin_warmup_steps < 0:
             raise ValueError('head_fusion: threshold and omega_lr must be > 0; lambda_lr, rho and '
                              'margin_warmup_steps >= 0')
@@ -46,8 +62,13 @@ class HeadFusion(Algorithm):
         self.omega_lr, self.lambda_lr, self.rho = omega_lr, lambda_lr, rho
         self.margin_base, self.margin_warmup_steps = margin_base, margin_warmup_steps
         self.threshold, self.stop_at_threshold = threshold, stop_at_threshold
+        self.progressive, self.progressive_seed = progressive, progressive_seed
+        self.lambda_init = float(lambda_init)
         self.lam = float(lambda_init)
         self.step = 0
+        self.stage = 0  # progressive-fusion stage; the last one fuses the whole groups
+        self.stage_started = 0  # the step at which the stage began: its margin schedule starts there
+        self.stage_subgroups: Optional[list[list[Partition]]] = None  # per layer, K and V sub-groups of the stage
         self.history: list[dict[str, float]] = []
         self.converged_at: Optional[int] = None
         self.projections: list[tuple[FusedProjection, FusedProjection]] = []
@@ -82,7 +103,56 @@ class HeadFusion(Algorithm):
             attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_attention_heads),
                                           head_dim)
             self.projections.append((attn.k_proj, attn.v_proj))
+        if self.progressive:
+            self._enter_stage(0)
         return [p.omega for pair in self.projections for p in pair]
+
+    # --- progressive fusion ---------------------------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.progressive) + 1
+
+    def _stage_size(self, projection: FusedProjection, stage: int) -> int:
+        return progressive_sizes(projection.members.shape[1], self.progressive)[stage]
+
+    def _next_stage(self) -> Optional[int]:
+        """The next stage that fuses more pairs than the current one (None at the last): a stage whose sizes equal
+        the current ones for every layer and kind (e.g. ``[2]`` where every group holds 2 heads) is skipped."""
+        for stage in range(self.stage + 1, self.num_stages):
+            if any(self._stage_size(projection, stage) != self._stage_size(projection, self.stage)
+                   for pair in self.projections for projection in pair):
+                return stage
+        return None
+
+    def _enter_stage(self, stage: int) -> None:
+        """Point every projection's fusion pairs at the stage's sub-groups: the whole groups at the last stage, else
+        splits of the last stage's sub-groups by the current weight-space head distances (a collective under FSDP2:
+        every rank runs it at the same batch, since the fusion loss that triggers it is the same on every rank)."""
+        previous = self.stage_subgroups
+        self.stage, self.stage_subgroups = stage, []
+        for layer, pair in enumerate(self.projections):
+            kinds = []
+            for kind, projection in enumerate(pair):
+                groups = [list(group) for group in sorted({tuple(row) for row in projection.members.tolist()})]
+                size = self._stage_size(projection, stage)
+                if size == projection.members.shape[1]:
+                    subgroups = groups
+                else:
+                    distance, _ = head_distances(unsharded(projection.weight).float().cpu(),
+                                                 unsharded(projection.omega).float().cpu(), projection.members.cpu())
+                    subgroups = split_into_subgroups(distance, groups, size,
+                                                     previous[layer][kind] if previous else None,
+                                                     seed=self.progressive_seed)
+                kinds.append(subgroups)
+            self.stage_subgroups.append(kinds)
+        self._point_projections_at_subgroups()
+
+    def _point_projections_at_subgroups(self) -> None:
+        for pair, kinds in zip(self.projections, self.stage_subgroups):
+            for projection, subgroups in zip(pair, kinds):
+                projection.fusion_pairs = group_members(subgroups, projection.members.shape[0]).to(
+                    projection.members.device)
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
@@ -107,7 +177,7 @@ class HeadFusion(Algorithm):
 
     @property
     def margin(self) -> float:
-        return fusion_margin(self.step, self.margin_warmup_steps, self.margin_base)
+        return fusion_margin(self.step - self.stage_started, self.margin_warmup_steps, self.margin_base)
 
     # --- Composer -----------------------------------------------------------------------------------------------
 
@@ -137,8 +207,14 @@ class HeadFusion(Algorithm):
         self.lam = dual_ascent(self.lam, loss, margin, self.lambda_lr)
         self.step += 1
         record = {'fusion_loss': loss, 'lambda': self.lam, 'margin': margin}
+        if self.progressive:
+            record['stage'] = self.stage
         self.history.append(record)
-        if loss < self.threshold and self.converged_at is None:
+        upcoming = self._next_stage() if loss < self.threshold else None
+        if upcoming is not None:
+            self.stage_started, self.lam = self.step, self.lambda_init  # a new constraint: fresh multiplier, margin
+            self._enter_stage(upcoming)
+        elif loss < self.threshold and self.converged_at is None:
             self.converged_at = int(state.timestamp.batch)
             if self.stop_at_threshold:
                 state.stop_training()
@@ -152,11 +228,20 @@ class HeadFusion(Algorithm):
         raise ValueError(f'{needed_by} needs the head_fusion algorithm in the recipe (algorithms: head_fusion: ...)')
 
     def state_dict(self) -> dict[str, Any]:
-        return {'lam': self.lam, 'step': self.step, 'history': list(self.history), 'converged_at': self.converged_at}
+        return {'lam': self.lam, 'step': self.step, 'history': list(self.history), 'converged_at': self.converged_at,
+                'stage': self.stage, 'stage_started': self.stage_started, 'stage_subgroups': self.stage_subgroups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lam, self.step = float(state['lam']), int(state['step'])
         self.history, self.converged_at = list(state['history']), state['converged_at']
+        self.stage, self.stage_started = int(state.get('stage', 0)), int(state.get('stage_started', 0))
+        saved = state.get('stage_subgroups')
+        if bool(saved) != bool(self.progressive):
+            raise ValueError('head_fusion: the checkpoint was written with progressive fusion '
+                             f'{"on" if saved else "off"} but the recipe has it {"on" if self.progressive else "off"}')
+        if saved:
+            self.stage_subgroups = saved
+            self._point_projections_at_subgroups()
 
 
 @registry.algorithms.register('head_fusion')

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from dha_train.quickstart import (DHA_NAME, SEQ_LEN, mean_eval, mean_eval_curve, run_quickstart, train_stage,
@@ -45,9 +46,10 @@ def _tokens_per_second(recipe: str, overrides: list[str], batches: int, result: 
 
 
 def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | None = None, gqa_multiple: float = 5.0,
-                         eval_every: int = 10, timing_batches: int = 20, repeats: int = 3, seed: int = 17) -> dict:
+                         eval_every: int = 10, timing_batches: int = 20, repeats: int = 3, seed: int = 17,
+                         teacher: Sequence[str] = ()) -> dict:
     run = Path(run).resolve()
-    summary = run_quickstart(run, seed=seed)
+    summary = run_quickstart(run, seed=seed, teacher=teacher)
     work = Path(out).resolve() if out else run / 'bench_conversion'
     work.mkdir(parents=True, exist_ok=True)
     stages = {name: json.loads((run / name / 'DONE.json').read_text())
@@ -83,7 +85,7 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     dha_ratios = [m / d for m, d in zip(timing['mha'], timing['dha_ct'])]
 
     results = {
-        'kv_budget': 0.25, 'dha_kv_heads': stages['dha_search']['kv_heads'],
+        'teacher_overrides': list(teacher), 'kv_budget': 0.25, 'dha_kv_heads': stages['dha_search']['kv_heads'],
         'mha_loss': summary['conversions']['rows'][0]['val_loss'],
         'loss_after_conversion': {'gqa_mean_pool': gqa_at_init, 'dha_after_fusion': dha_after_fusion},
         'dha_fusion': {'tokens': fusion_tokens, 'batches': fusion['batches'], 'converged_at': fusion['converged_at'],
@@ -102,7 +104,8 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
                if reached else f'not reached within {long["tokens"]:,} tokens '
                                f'(> {long["tokens"] / fusion_tokens:.1f}x DHA\'s fusion tokens)')
     print()
-    print(f'DHA vs GQA at a 25% KV budget (tiny quickstart teacher; MHA val loss {results["mha_loss"]:.4f})')
+    model = ' '.join(teacher) or 'the tiny quickstart teacher'
+    print(f'DHA vs GQA at a 25% KV budget ({model}; MHA val loss {results["mha_loss"]:.4f})')
     print(f'  loss right after conversion:   GQA (mean-pool) {gqa_at_init:.4f}   DHA after fusion {dha_after_fusion:.4f}'
           f'   (fusion: {fusion_tokens:,} tokens, L_fusion {fusion["final_fusion_loss"]:.1e})')
     print(f'  GQA tokens to reach DHA\'s post-fusion loss: '

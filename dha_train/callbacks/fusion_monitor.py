@@ -2,7 +2,8 @@
 
 Every ``interval`` batches it logs, to every configured logger (console, wandb, ...):
 
-- ``fusion/loss``, ``fusion/lambda``, ``fusion/margin``, ``fusion/violation`` (= max(L_fusion - t, 0));
+- ``fusion/loss``, ``fusion/lambda``, ``fusion/margin``, ``fusion/violation`` (= max(L_fusion - t, 0)), and
+  ``fusion/stage`` under progressive fusion (the loss then counts the current stage's sub-groups);
 - ``fusion/layer{l}/key_loss`` and ``value_loss``: each layer's K and V fusion loss (Eq. 7 normalised as Alg. 3);
 - ``fusion/layer{l}/key_self_weight`` and ``value_self_weight``: the mean fusion weight a query head puts on its own
   MHA head, 1 at the Kronecker init and 1/g once the group has fused to its mean;
@@ -44,6 +45,8 @@ class FusionMonitor(Callback):
         metrics = {'fusion/loss': record['fusion_loss'], 'fusion/lambda': record['lambda'],
                    'fusion/margin': record['margin'],
                    'fusion/violation': max(record['fusion_loss'] - record['margin'], 0.0)}
+        if 'stage' in record:
+            metrics['fusion/stage'] = record['stage']
         omegas = []
         for layer, ((key, value), losses) in enumerate(zip(fusion.projections, fusion.kind_losses())):
             for kind, projection, loss in (('key', key, losses[0]), ('value', value, losses[1])):

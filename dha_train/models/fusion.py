@@ -22,13 +22,16 @@ class FusedProjection(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.register_buffer('members', members.to(linear.weight.device), persistent=True)
+        # The heads whose fusion weights the loss pulls together: the groups themselves, or in a progressive-fusion
+        # stage their current sub-groups (HeadFusion's checkpoint state holds those, so this is not persistent).
+        self.register_buffer('fusion_pairs', members.to(linear.weight.device).clone(), persistent=False)
         self.omega = nn.Parameter(kronecker_omega(members, head_dim, dtype=torch.float32).to(linear.weight.device))
-        self.pair_squares: torch.Tensor | None = None  # sum of squared omega differences over within-group pairs
+        self.pair_squares: torch.Tensor | None = None  # sum of squared omega differences over the fused pairs
         self.pair_elements = 0  # how many squared differences that sum holds
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         omega = self.omega
-        self.pair_squares, self.pair_elements = pair_square_sum(omega, self.members)
+        self.pair_squares, self.pair_elements = pair_square_sum(omega, self.fusion_pairs)
         weight = fuse_weight(self.weight, omega.to(self.weight.dtype), self.members)
         bias = None if self.bias is None else fuse_weight(self.bias, omega.to(self.bias.dtype), self.members)
         return nn.functional.linear(hidden, weight, bias)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dha_train.ops.grouping import Partition, anneal_equal_groups
+
 
 def group_members(partition: Sequence[Sequence[int]], num_heads: int) -> torch.Tensor:
     """(H, g) source heads per query head from an equal-size partition of the heads (each group in sorted order)."""
@@ -92,6 +94,43 @@ def head_distances(source: torch.Tensor, omega: torch.Tensor, members: torch.Ten
     weight_space = torch.where(same, weight_space, infinity).fill_diagonal_(0.0)
     omega_only = torch.where(same, omega_only, infinity).fill_diagonal_(0.0)
     return weight_space, omega_only
+
+
+def progressive_sizes(group_size: int, stage_sizes: Sequence[int]) -> list[int]:
+    """Sub-group size of each progressive-fusion stage (seed 000 B.2: fuse 2x, then 4x, ...) for groups of
+    ``group_size`` heads: for each requested size, the largest divisor of ``group_size`` not above it that is a
+    multiple of the previous stage's size (so each stage's sub-groups are unions of the last one's); the final
+    stage is always the whole group. E.g. g = 8, [2, 4] -> [2, 4, 8]; g = 4, [2, 4] -> [2, 4, 4]; g = 6, [4] -> [3, 6].
+    """
+    sizes, previous = [], 1
+    for requested in stage_sizes:
+        size = max(d for d in range(previous, min(requested, group_size) + 1, previous) if group_size % d == 0)
+        sizes.append(size)
+        previous = size
+    return sizes + [group_size]
+
+
+def split_into_subgroups(distance: torch.Tensor, partition: Sequence[Sequence[int]], size: int,
+                         previous: Sequence[Sequence[int]] | None = None, seed: int = 0) -> Partition:
+    """Split every group of ``partition`` into sub-groups of ``size`` heads that are unions of ``previous``'s
+    sub-groups (single heads when None), minimising the mean within-sub-group head distance (the clustering at the
+    start of each progressive-fusion stage, seed 000 B.2). ``distance`` is (H, H), e.g. Eq. 6's weight-space head
+    distance; blocks are compared by their mean pairwise distance and grouped by the annealing search."""
+    distance = torch.as_tensor(distance, dtype=torch.float64)
+    blocks_of = [[list(block) for block in (previous or [[h] for group in partition for h in group])
+                  if set(block) <= set(group)] for group in partition]
+    subgroups: Partition = []
+    for group, blocks in zip(partition, blocks_of):
+        block_size = len(blocks[0])
+        if len(group) % size or size % block_size or sum(len(block) for block in blocks) != len(group):
+            raise ValueError(f'cannot split group {list(group)} into sub-groups of {size} made of blocks {blocks}')
+        if size == block_size or size == len(group):
+            subgroups += blocks if size == block_size else [sorted(group)]
+            continue
+        block_distance = torch.tensor([[float(distance[a][:, b].mean()) for b in blocks] for a in blocks])
+        for chosen in anneal_equal_groups(-block_distance, len(group) // size, seed=seed):
+            subgroups.append(sorted(h for index in chosen for h in blocks[index]))
+    return sorted(subgroups, key=lambda subgroup: subgroup[0])
 
 
 def fusion_margin(step: int, warmup_steps: int, base: float = 0.999) -> float:
