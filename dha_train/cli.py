@@ -128,7 +128,8 @@ def _bench_conversion(args) -> int:
     from dha_train.bench.conversion import run_conversion_bench
 
     run_conversion_bench(run=args.run, out=args.out, gqa_multiple=args.gqa_multiple, eval_every=args.eval_every,
-                         timing_batches=args.timing_batches, repeats=args.repeats, teacher=args.teacher)
+                         timing_batches=args.timing_batches, repeats=args.repeats, teacher=args.teacher,
+                         progressive_sizes=args.progressive)
     return 0
 
 
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     conversion.add_argument('--eval-every', dest='eval_every', type=int, default=10)
     conversion.add_argument('--timing-batches', dest='timing_batches', type=int, default=20)
     conversion.add_argument('--repeats', type=int, default=3, help='interleaved timing rounds (median reported)')
+    conversion.add_argument('--progressive', nargs='+', type=int, default=[2], metavar='SIZE',
+                            help='sub-group sizes of the progressive fusion compared with one-stage fusion (default 2)')
     _teacher_argument(conversion)
     conversion.set_defaults(func=_bench_conversion)
     search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '

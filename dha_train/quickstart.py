@@ -31,7 +31,6 @@ SEQ_LEN = 256
 CORPUS_BYTES_PER_DOMAIN = 3_000_000
 VAL_TOKENS = 4 * 16 * SEQ_LEN  # four eval batches per domain
 KV_BUDGET = 0.25
-GQA_KV_HEADS = 2  # of the teacher's 8 heads per layer: the same 25% budget
 DHA_NAME = 'tiny-dha25'
 
 
@@ -106,7 +105,7 @@ def _pretrain(out: Path, run: Path, seed: int, steps: int | None, teacher: Seque
     from composer.loggers import InMemoryLogger
 
     from dha_train.config import load_config
-    from dha_train.train import train
+    from dha_train.train import close_trainer, train
 
     overrides = [f'variables.run_dir={run}', f'seed={seed}', *teacher]
     if steps is not None:
@@ -115,7 +114,7 @@ def _pretrain(out: Path, run: Path, seed: int, steps: int | None, teacher: Seque
     memory = InMemoryLogger()
     trainer = train(config, extra_loggers=[memory])
     history = history_from(memory)
-    trainer.close()
+    close_trainer(trainer)
     if not history['train']:
         raise RuntimeError(f'pretrain: nothing was trained; the checkpoints in {config.save_folder} are from a '
                            'finished run whose loss history was not saved. Run with --fresh.')
@@ -132,22 +131,26 @@ def _export(out: Path, checkpoint_folder: str) -> dict:
     return {'hf_folder': str(out / 'hf')}
 
 
-def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extra_callbacks=()) -> tuple:
+def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extra_callbacks=(),
+                recipe_callbacks: bool = True) -> tuple:
     """One conversion stage in this process (one rank, no FSDP): (trainer, config, history from the in-memory
-    logger). Also used by `dha-train bench conversion`."""
+    logger). ``recipe_callbacks=False`` drops the recipe's callbacks (for timing). Also used by `dha-train bench
+    conversion`."""
     from composer.loggers import InMemoryLogger
 
     from dha_train.config import load_config
-    from dha_train.train import train
+    from dha_train.train import close_trainer, train
 
     overrides = overrides + ['fsdp.enabled=false']
     if max_batches is not None:
         overrides.append(f'max_duration={max_batches}ba')
     config = load_config(recipe_path(recipe), overrides)
+    if not recipe_callbacks:
+        config.callbacks = {}
     memory = InMemoryLogger()
     trainer = train(config, extra_loggers=[memory], extra_callbacks=extra_callbacks)
     history = history_from(memory)
-    trainer.close()
+    close_trainer(trainer)
     return trainer, config, history
 
 
@@ -236,6 +239,15 @@ def train_tokens(config) -> int:
     return Time.from_timestring(config.max_duration).value * config.global_train_batch_size * SEQ_LEN
 
 
+def gqa_kv_heads(num_heads: int) -> int:
+    """K/V heads per layer of the GQA baseline: DHA's KV_BUDGET of the heads, spread evenly over the layers."""
+    kv_heads = KV_BUDGET * num_heads
+    if kv_heads != int(kv_heads) or kv_heads < 1 or num_heads % int(kv_heads):
+        raise ValueError(f'quickstart: a {KV_BUDGET:.0%} KV budget of {num_heads} heads per layer is not a whole '
+                         'divisor of the heads; give the teacher a head count divisible by 4')
+    return int(kv_heads)
+
+
 def _gqa_convert(out: Path, run: Path) -> dict:
     from transformers import AutoConfig
 
@@ -244,8 +256,9 @@ def _gqa_convert(out: Path, run: Path) -> dict:
 
     teacher = run / 'export' / 'hf'
     config = AutoConfig.from_pretrained(teacher, local_files_only=True)
-    head_dim = config.hidden_size // config.num_attention_heads
-    head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, GQA_KV_HEADS, head_dim)
+    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+    head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads,
+                           gqa_kv_heads(config.num_attention_heads), head_dim)
     convert_checkpoint(teacher, out / 'hf', head_map, overwrite=True)
     return {'hf_folder': str(out / 'hf')}
 
@@ -334,6 +347,10 @@ def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bo
         if earlier != settings:
             raise ValueError(f'{run} was made with other settings ({earlier}, now {settings}): its finished stages '
                              'would be reused; pass --fresh to redo them, or choose another --out')
+    from dha_train.config import load_config
+
+    teacher_config = load_config(recipe_path(QUICKSTART_RECIPE), [f'variables.run_dir={run}', *teacher]).model.config
+    gqa_kv_heads(int(teacher_config['num_attention_heads']))  # a teacher the 25% budget cannot split fails now
     run.mkdir(parents=True, exist_ok=True)
     (run / 'quickstart.json').write_text(json.dumps(settings))
 

@@ -182,6 +182,22 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     return trainer
 
 
+def close_trainer(trainer) -> None:
+    """Close a trainer for good when the process goes on to build others (quickstart stages, benchmarks): Composer
+    keeps an exit hook that holds the whole training state, so without this each run's model, optimizer and
+    (GPU) memory would live until the process ends."""
+    import atexit
+    import gc
+
+    import torch
+
+    trainer.close()
+    atexit.unregister(trainer.engine._close)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def is_finished(trainer) -> bool:
     state = trainer.state
     return state.timestamp.get(state.max_duration.unit) >= state.max_duration

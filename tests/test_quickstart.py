@@ -69,3 +69,14 @@ def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_p
     with pytest.raises(ValueError, match='other settings'):
         run_quickstart(tmp_path, steps=12, conversion_steps=4, teacher=['model.config.hidden_size=256'])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['quickstart.json']  # nothing was run or overwritten
+
+
+def test_quickstart_refuses_a_teacher_the_budget_cannot_split_before_training(tmp_path):
+    import pytest
+
+    from dha_train.quickstart import run_quickstart
+
+    with pytest.raises(ValueError, match='6 heads'):
+        run_quickstart(tmp_path / 'run', teacher=['model.config.num_attention_heads=6',
+                                                  'model.config.num_key_value_heads=6'])
+    assert not (tmp_path / 'run').exists()

@@ -151,8 +151,7 @@ class HeadFusion(Algorithm):
     def _point_projections_at_subgroups(self) -> None:
         for pair, kinds in zip(self.projections, self.stage_subgroups):
             for projection, subgroups in zip(pair, kinds):
-                projection.fusion_pairs = group_members(subgroups, projection.members.shape[0]).to(
-                    projection.members.device)
+                projection.set_fusion_pairs(group_members(subgroups, projection.members.shape[0]))
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
@@ -162,8 +161,9 @@ class HeadFusion(Algorithm):
         return self.projections
 
     def kind_losses(self) -> list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
-        """Each layer's K and V fusion loss from the last forward (None for a kind whose groups hold one head)."""
-        return [tuple(p.pair_squares / p.pair_elements if p.pair_elements else None for p in pair)
+        """Each layer's K and V fusion loss from the last forward, detached for reporting (None for a kind whose
+        groups hold one head)."""
+        return [tuple(p.pair_squares.detach() / p.pair_elements if p.pair_elements else None for p in pair)
                 for pair in self._recorded_projections()]
 
     def layer_losses(self) -> list[torch.Tensor]:

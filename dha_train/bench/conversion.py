@@ -8,7 +8,9 @@ Fusion -> CT and the GQA conversion. Then, in the same process:
    fusion tokens, evaluated every ``eval_every`` batches), against DHA's fusion tokens (the paper claims 5x);
 3. loss after equal total budgets: a GQA CT run with DHA's fusion + CT tokens, against DHA after CT;
 4. step time of the fusion phase and of the DHA model's CT, each over the MHA model's step time, from interleaved
-   timing runs of ``timing_batches`` batches (after 3 warm-up batches), the median over ``repeats`` rounds.
+   timing runs of ``timing_batches`` batches (after 3 warm-up batches), the median over ``repeats`` rounds;
+5. progressive fusion (``progressive_sizes``, then the whole groups) against the one-stage fusion: tokens to
+   converge and the loss after fusion.
 
 Prints a table and writes results.json in ``out`` (default <run>/bench_conversion).
 """
@@ -39,15 +41,40 @@ def _gqa_ct(run: Path, work: Path, gqa_model: str, name: str, batches: int, eval
 def _tokens_per_second(recipe: str, overrides: list[str], batches: int, result: Path) -> float:
     from dha_train.callbacks.throughput_probe import ThroughputProbe
 
+    # The recipes' own callbacks (fusion_monitor, speed_monitor, ...) are left out: every model is timed alike.
     train_stage(recipe, overrides + ['eval_first=false', 'eval_interval=100000ba', 'save_folder=null',
                                      'autoresume=false', 'console_log_interval=100000ba'],
-                batches + 3, extra_callbacks=[ThroughputProbe(str(result), warmup_batches=3)])
+                batches + 3, extra_callbacks=[ThroughputProbe(str(result), warmup_batches=3)], recipe_callbacks=False)
     return json.loads(result.read_text())['tokens_per_sec']
+
+
+def _progressive_fusion(run: Path, work: Path, head_map: str, sizes: Sequence[int]) -> dict:
+    """The tiny Fusion again with ``progressive: sizes``, baked, and its validation loss."""
+    import shutil
+
+    from dha_train.algorithms.head_fusion import HeadFusion
+    from dha_train.export import export_hf
+
+    name = 'bench-progressive'
+    shutil.rmtree(work / f'{name}-fusion', ignore_errors=True)
+    common = [f'variables.data_root={run / "data"}', f'variables.save_root={work}', f'variables.name={name}']
+    trainer, config, _ = train_stage('dha/tiny/fusion.yaml', common + [
+        f'variables.model_path={run / "export" / "hf"}', f'variables.head_map={head_map}', 'eval_first=false',
+        f'algorithms.head_fusion.progressive=[{",".join(str(size) for size in sizes)}]'], None)
+    fusion = HeadFusion.of(trainer.state, 'bench conversion')
+    history = fusion.history
+    hf = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True)
+    _, _, evaluation = train_stage('dha/tiny/ct.yaml', common + [f'variables.model_path={hf}', 'save_folder=null',
+                                                                 'autoresume=false'], 1)
+    return {'sizes': list(sizes), 'batches': len(history), 'tokens': len(history) * BATCH * SEQ_LEN,
+            'converged': fusion.converged_at is not None,
+            'stage_starts': [i for i in range(1, len(history)) if history[i]['stage'] != history[i - 1]['stage']],
+            'final_fusion_loss': history[-1]['fusion_loss'], 'loss_after_fusion': mean_eval(evaluation, 0)['mean']}
 
 
 def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | None = None, gqa_multiple: float = 5.0,
                          eval_every: int = 10, timing_batches: int = 20, repeats: int = 3, seed: int = 17,
-                         teacher: Sequence[str] = ()) -> dict:
+                         teacher: Sequence[str] = (), progressive_sizes: Sequence[int] = (2,)) -> dict:
     run = Path(run).resolve()
     summary = run_quickstart(run, seed=seed, teacher=teacher)
     work = Path(out).resolve() if out else run / 'bench_conversion'
@@ -68,14 +95,14 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
                     max(1, (fusion_tokens + ct_tokens) // (BATCH * SEQ_LEN)))
 
     print('[bench] step times: MHA, fusion phase, DHA model (interleaved rounds) ...', flush=True)
-    teacher = run / 'export' / 'hf'
+    teacher_hf = run / 'export' / 'hf'
     common = [f'variables.data_root={run / "data"}', f'variables.save_root={work}']
     timing = {'mha': [], 'fusion': [], 'dha_ct': []}
     for round_index in range(repeats):
         timing['mha'].append(_tokens_per_second('gqa/tiny_ct.yaml', common + [
-            f'variables.model_path={teacher}', 'run_name=bench-time-mha'], timing_batches, work / 'mha.json'))
+            f'variables.model_path={teacher_hf}', 'run_name=bench-time-mha'], timing_batches, work / 'mha.json'))
         timing['fusion'].append(_tokens_per_second('dha/tiny/fusion.yaml', common + [
-            f'variables.model_path={teacher}', f'variables.name={DHA_NAME}', 'run_name=bench-time-fusion',
+            f'variables.model_path={teacher_hf}', f'variables.name={DHA_NAME}', 'run_name=bench-time-fusion',
             f'variables.head_map={stages["dha_search"]["head_map"]}',
             'algorithms.head_fusion.stop_at_threshold=false'], timing_batches, work / 'fusion.json'))
         timing['dha_ct'].append(_tokens_per_second('dha/tiny/ct.yaml', common + [
@@ -115,5 +142,16 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     print(f'  step time / MHA step time (median of {repeats}): fusion phase '
           f'{results["step_time_ratio"]["fusion_over_mha"]:.3f}x, DHA model CT '
           f'{results["step_time_ratio"]["dha_ct_over_mha"]:.3f}x')
+
+    # Last, so that a failure here keeps everything above: progressive fusion (appendix B.2) against one stage.
+    print('[bench] progressive fusion (pairs first, then the whole groups) ...', flush=True)
+    progressive = _progressive_fusion(run, work, stages['dha_search']['head_map'], progressive_sizes)
+    results['progressive_fusion'] = progressive
+    (work / 'results.json').write_text(json.dumps(results, indent=2))
+    print(f'  progressive fusion {progressive["sizes"]} then whole groups: {progressive["tokens"]:,} tokens '
+          f'({progressive["batches"]} batches, next stage at batch {progressive["stage_starts"]}, '
+          f'{"converged" if progressive["converged"] else "NOT converged"}, L_fusion '
+          f'{progressive["final_fusion_loss"]:.1e}), loss after fusion {progressive["loss_after_fusion"]:.4f} '
+          f'against one stage: {fusion_tokens:,} tokens, {dha_after_fusion:.4f}')
     print(f'  results.json in {work}')
     return results

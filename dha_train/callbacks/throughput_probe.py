@@ -21,6 +21,10 @@ class ThroughputProbe(Callback):
         self._end: tuple[float, int, int] | None = None
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a GPU runs ahead of the host: time finished work, not queued work
         mark = (time.perf_counter(), int(state.timestamp.token), int(state.timestamp.batch))
         if int(state.timestamp.batch) == self.warmup_batches:
             self._start = mark
