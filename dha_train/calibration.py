@@ -33,6 +33,13 @@ class KindStats:
     num_heads: int
     running: RunningGram
     sample: torch.Tensor | None = None  # (sampled tokens, heads * head_dim)
+    unit: RunningGram | None = None  # the same Gram over rows scaled to unit norm per head (seed 001 Eq. 7-8)
+
+    def unit_gram(self) -> torch.Tensor:
+        """Gram of the per-head row-normalised caches, for the cos criterion of the aligned similarity."""
+        if self.unit is None:
+            raise CalibrationError('no row-normalised Gram was recorded (calibrate with unit_rows=True)')
+        return self.unit.gram
 
     def sample_by_head(self) -> torch.Tensor:
         """The sampled rows as (heads, tokens, head_dim)."""
@@ -68,7 +75,8 @@ class CalibrationStats:
         torch.save({
             'tokens': self.tokens, 'sample_tokens': self.sample_tokens, 'head_dim': self.head_dim,
             'seed': self.seed, 'kinds': list(self.kinds),
-            'stats': [{kind: {'num_heads': s.num_heads, 'running': s.running.state_dict(), 'sample': s.sample}
+            'stats': [{kind: {'num_heads': s.num_heads, 'running': s.running.state_dict(), 'sample': s.sample,
+                              'unit': None if s.unit is None else s.unit.state_dict()}
                        for kind, s in layer.items()} for layer in self.stats],
         }, path)
         return path
@@ -76,7 +84,8 @@ class CalibrationStats:
     @classmethod
     def load(cls, path: str | Path) -> 'CalibrationStats':
         data = torch.load(path, map_location='cpu', weights_only=True)
-        stats = [{kind: KindStats(s['num_heads'], RunningGram.from_state_dict(s['running']), s['sample'])
+        stats = [{kind: KindStats(s['num_heads'], RunningGram.from_state_dict(s['running']), s['sample'],
+                                  RunningGram.from_state_dict(s['unit']) if s.get('unit') is not None else None)
                   for kind, s in layer.items()} for layer in data['stats']]
         return cls(stats, data['tokens'], data['sample_tokens'], data['head_dim'], data['seed'], tuple(data['kinds']))
 
@@ -93,7 +102,8 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 class _Recorder:
     """Forward hooks that feed each (layer, kind) accumulator with the first ``remaining`` tokens of each batch."""
 
-    def __init__(self, model: torch.nn.Module, kinds: Sequence[str], num_tokens: int, sample_tokens: int, seed: int):
+    def __init__(self, model: torch.nn.Module, kinds: Sequence[str], num_tokens: int, sample_tokens: int, seed: int,
+                 unit_rows: bool = False):
         self.attention = attention_modules(model)
         self.head_dim = self.attention[0].head_dim
         self.kinds = tuple(kinds)
@@ -109,7 +119,9 @@ class _Recorder:
             for kind in self.kinds:
                 projection = getattr(attn, _PROJECTION[kind])
                 width = projection.in_features if kind == 'output' else projection.out_features
-                layer[kind] = KindStats(width // self.head_dim, RunningGram(width, device=projection.weight.device))
+                device = projection.weight.device
+                layer[kind] = KindStats(width // self.head_dim, RunningGram(width, device=device),
+                                        unit=RunningGram(width, device=device) if unit_rows else None)
             self.stats.append(layer)
         self.handles: list = []
 
@@ -149,6 +161,9 @@ class _Recorder:
             rows = (inputs[0] if from_input else output).detach()
             rows = rows.reshape(-1, rows.shape[-1])[:self.keep]
             stats.running.update(rows)
+            if stats.unit is not None:
+                heads = rows.float().reshape(rows.shape[0], stats.num_heads, -1)
+                stats.unit.update((heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-12)).reshape(rows.shape))
             if self.sample_index is not None:
                 kept = rows.float().cpu()
                 pool = kept if stats.sample is None else torch.cat([stats.sample, kept])
@@ -157,8 +172,10 @@ class _Recorder:
 
 
 def calibrate(model: torch.nn.Module, batches: Iterable[dict], *, num_tokens: int,
-              kinds: Sequence[str] = ('key', 'value'), sample_tokens: int = 0, seed: int = 0) -> CalibrationStats:
+              kinds: Sequence[str] = ('key', 'value'), sample_tokens: int = 0, seed: int = 0,
+              unit_rows: bool = False) -> CalibrationStats:
     """Run ``model`` (eval mode, no grad) over ``batches`` of ``input_ids`` until ``num_tokens`` tokens are recorded.
+    ``unit_rows`` also accumulates the Gram of every head's rows scaled to unit norm (the aligned-GQA cos criterion).
 
     Raises CalibrationError when the batches run out first. Only the sequences a batch needs are run.
     """
@@ -170,7 +187,7 @@ def calibrate(model: torch.nn.Module, batches: Iterable[dict], *, num_tokens: in
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    recorder = _Recorder(model, kinds, num_tokens, sample_tokens, seed)
+    recorder = _Recorder(model, kinds, num_tokens, sample_tokens, seed, unit_rows)
     try:
         with recorder, torch.no_grad():
             for batch in batches:

@@ -107,6 +107,14 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     weights = model_weights(state)
     if any(name.endswith('.k_proj.omega') for name in weights):  # a DHA fusion run: bake it into the DHA model
         config, weights = bake_fusion(config, weights)
+    if any(name.endswith('.k_proj.group_weight') for name in weights):  # aligned GQA: keep only the group heads
+        from dha_train.models.transfer import transfer_to_gqa_state_dict
+
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        try:
+            weights, config.num_key_value_heads = transfer_to_gqa_state_dict(weights, head_dim)
+        except ValueError as exc:
+            raise CheckpointError(f'{path}: {exc}') from exc
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:

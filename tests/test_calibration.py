@@ -92,3 +92,22 @@ def test_calibration_errors_name_the_problem():
         stats.layer(0, 'output')
     with pytest.raises(CalibrationError, match='no token sample'):
         stats.layer(0, 'key').sample_by_head()
+
+
+def test_unit_rows_gram_is_the_gram_of_per_head_normalised_caches(tmp_path):
+    model = tiny_model()
+    data = batches(2)
+    num_tokens = 3 * SEQ + 5
+    stats = calibrate(model, data, num_tokens=num_tokens, kinds=('key', 'value'), unit_rows=True)
+    reference = reference_projections(model, data)
+    for layer in range(LAYERS):
+        for kind in ('key', 'value'):
+            heads = reference[(layer, kind)][:num_tokens].reshape(num_tokens, HEADS, HEAD_DIM)
+            unit = (heads / heads.norm(dim=-1, keepdim=True)).reshape(num_tokens, -1)
+            assert torch.allclose(stats.layer(layer, kind).unit_gram(), unit.T @ unit, atol=1e-4, rtol=1e-5)
+            diagonal = torch.diagonal(stats.layer(layer, kind).unit_gram()).reshape(HEADS, HEAD_DIM).sum(dim=1)
+            assert torch.allclose(diagonal, torch.full((HEADS,), float(num_tokens), dtype=torch.float64))
+    loaded = CalibrationStats.load(stats.save(tmp_path / 'calibration.pt'))
+    assert torch.equal(loaded.layer(1, 'key').unit_gram(), stats.layer(1, 'key').unit_gram())
+    with pytest.raises(CalibrationError, match='unit_rows'):
+        calibrate(model, data, num_tokens=8).layer(0, 'key').unit_gram()

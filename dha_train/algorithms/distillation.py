@@ -1,0 +1,108 @@
+"""``Distillation``: logit distillation from a frozen teacher, for any method here (seed 001 Eq. 30-31).
+
+The teacher is an HF causal LM folder (``teacher_path``, e.g. the original MHA model), loaded at ``Event.FIT_START``
+onto the run's device, frozen and in eval mode; under FSDP it is sharded like the student (``fully_shard`` per
+decoder layer and at the root, on the same device mesh). At ``Event.AFTER_FORWARD`` it runs on the same micro-batch
+under no_grad; at ``Event.AFTER_LOSS`` the loss becomes
+
+    lm_weight * L_lm + kl_weight * KL(teacher || student) + bild_weight * BiLD(student, teacher)
+
+over the positions the attention mask keeps (``ops.distill``; BiLD with ``top_k`` and ``temperature``). Each term's
+value is kept for the ``distill/*`` metrics logged at batch end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+
+from dha_train import registry
+from dha_train.ops.distill import bild_loss, kl_loss
+
+
+class Distillation(Algorithm):
+    def __init__(self, teacher_path: str, kl_weight: float = 1.0, bild_weight: float = 1.0, lm_weight: float = 0.0,
+                 top_k: int = 16, temperature: float = 1.0):
+        if min(kl_weight, bild_weight, lm_weight) < 0 or kl_weight + bild_weight + lm_weight == 0:
+            raise ValueError('distillation: weights must be >= 0 and not all 0')
+        if temperature <= 0 or top_k < 2:
+            raise ValueError(f'distillation: temperature must be > 0 and top_k >= 2, got {temperature} and {top_k}')
+        if not (Path(teacher_path) / 'config.json').is_file():
+            raise FileNotFoundError(f'distillation: teacher_path {teacher_path} is not an HF model folder '
+                                    '(no config.json)')
+        self.teacher_path = teacher_path
+        self.kl_weight, self.bild_weight, self.lm_weight = kl_weight, bild_weight, lm_weight
+        self.top_k, self.temperature = top_k, temperature
+        self.teacher: Optional[torch.nn.Module] = None
+        self._teacher_logits: Optional[torch.Tensor] = None
+        self._terms: dict[str, float] = {}
+
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
+
+    def _load_teacher(self, state: State) -> None:
+        from transformers import AutoModelForCausalLM
+
+        import dha_train.models  # noqa: F401  (registers the DHA classes, should the teacher be one)
+
+        # Building the model draws random initial weights before loading; forking keeps those draws out of the
+        # training RNG streams, so a resumed run (which loads the teacher again, mid-run) continues exactly.
+        with torch.random.fork_rng():
+            teacher = AutoModelForCausalLM.from_pretrained(self.teacher_path, local_files_only=True,
+                                                           torch_dtype=torch.float32)
+        student_config = state.model.model.config if hasattr(state.model, 'model') else state.model.config
+        if teacher.config.vocab_size != student_config.vocab_size:
+            raise ValueError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '
+                             f'{student_config.vocab_size}')
+        teacher.requires_grad_(False).eval()
+        mesh = _student_mesh(state.model)
+        teacher = state.device.module_to_device(teacher)
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in teacher.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(teacher, mesh=mesh)
+        self.teacher = teacher
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.FIT_START:
+            if self.teacher is None:
+                self._load_teacher(state)
+        elif event == Event.AFTER_FORWARD:
+            batch = state.batch
+            with torch.no_grad():
+                self._teacher_logits = self.teacher(input_ids=batch['input_ids'],
+                                                    attention_mask=batch.get('attention_mask')).logits.detach()
+        elif event == Event.AFTER_LOSS:
+            student = state.outputs.logits if hasattr(state.outputs, 'logits') else state.outputs['logits']
+            mask = state.batch.get('attention_mask')
+            kl = kl_loss(student, self._teacher_logits, self.temperature, mask)
+            bild = bild_loss(student, self._teacher_logits, self.top_k, self.temperature, mask)
+            self._terms = {'lm': float(state.loss), 'kl': float(kl), 'bild': float(bild)}
+            state.loss = self.lm_weight * state.loss + self.kl_weight * kl + self.bild_weight * bild
+            self._teacher_logits = None
+        elif event == Event.BATCH_END and self._terms:
+            logger.log_metrics({f'distill/{name}': value for name, value in self._terms.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the teacher is a fixed input, not training state
+
+
+def _student_mesh(model: torch.nn.Module):
+    """The device mesh FSDP2 sharded the student's parameters on, or None when they are not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            return parameter.device_mesh
+    return None
+
+
+@registry.algorithms.register('distillation')
+def _distillation(**kwargs) -> Distillation:
+    return Distillation(**kwargs)

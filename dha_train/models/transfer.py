@@ -1,0 +1,103 @@
+"""``TransferProjection``: an MHA k_proj / v_proj while aligned GQA moves it onto merged group heads (seed 001
+Eq. 25-28).
+
+It keeps the original heads (``weight``, still trained, under its original state-dict name), the group heads
+(``group_weight``, initialised by mean-pooling each contiguous group) and one hard-concrete gate per original head
+(``log_alpha``). Head h uses W_h^apply = z_h W_h + (1 - z_h) W_group(h), mixed in weight space. Once the gates are
+frozen (``frozen_gates``, a persistent buffer, so a resumed run keeps them) and all zero, the projection is exactly
+the group heads: the export drops the originals and writes standard HF GQA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dha_train.ops.hard_concrete import deterministic_gates, expected_l0, log_alpha_for_open_gates, sample_gates
+
+NOT_FROZEN = -1.0  # frozen_gates holds this until the gates freeze
+
+
+class TransferProjection(nn.Module):
+    def __init__(self, linear: nn.Linear, num_groups: int, head_dim: int, init_log_alpha: float | None = None):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError('aligned GQA transfer: k/v projections with biases are not supported')
+        num_heads = linear.out_features // head_dim
+        if num_heads * head_dim != linear.out_features or num_heads % num_groups:
+            raise ValueError(f'{linear.out_features} output rows are not {num_groups} equal groups of '
+                             f'{head_dim}-dim heads')
+        self.in_features, self.num_heads, self.num_groups, self.head_dim = linear.in_features, num_heads, num_groups, \
+            head_dim
+        self.weight = linear.weight
+        with torch.no_grad():
+            pooled = linear.weight.reshape(num_groups, num_heads // num_groups, head_dim, -1).mean(dim=1)
+        self.group_weight = nn.Parameter(pooled.reshape(num_groups * head_dim, -1).clone())
+        # Open at the start (deterministic gate 1; 95% of sampled gates exactly 1): the model starts as the MHA model.
+        start = log_alpha_for_open_gates(closed_probability=0.05) if init_log_alpha is None else init_log_alpha
+        self.log_alpha = nn.Parameter(torch.full((num_heads,), start, dtype=torch.float32,
+                                                 device=linear.weight.device))
+        self.register_buffer('frozen_gates', torch.full((num_heads,), NOT_FROZEN, device=linear.weight.device))
+        self.expected_density: torch.Tensor | None = None  # mean P(z != 0) of this forward, for the L0 loss
+        # The gate noise's generator, set by KVHeadTransfer: one stream shared by every rank and checkpointed with
+        # the algorithm (Composer does not restore the global RNG when a streaming run resumes mid-epoch).
+        self.generator: torch.Generator | None = None
+
+    @property
+    def frozen(self) -> bool:
+        return bool((self.frozen_gates >= 0).all())
+
+    def gates(self) -> torch.Tensor:
+        if self.frozen:
+            return self.frozen_gates
+        return sample_gates(self.log_alpha, self.generator) if self.training else deterministic_gates(self.log_alpha)
+
+    def freeze(self, close: bool = True) -> int:
+        """Fix the gates at their deterministic values; with ``close``, every gate that is not yet 0 is set to 0 (the
+        transfer's end point). Returns how many gates had to be closed by force."""
+        from dha_train.models.fusion import unsharded
+
+        with torch.no_grad():  # unsharded: a collective under FSDP2, every rank freezes at the same batch
+            gates = deterministic_gates(unsharded(self.log_alpha).float()).to(self.frozen_gates.device)
+            forced = int((gates > 0).sum())
+            self.frozen_gates.copy_(torch.zeros_like(gates) if close else gates)
+        return forced
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.expected_density = expected_l0(self.log_alpha.float()).mean()
+        z = self.gates().to(self.weight.dtype)[:, None, None]
+        heads = self.weight.reshape(self.num_heads, self.head_dim, -1)
+        groups = self.group_weight.reshape(self.num_groups, 1, self.head_dim, -1)
+        groups = groups.expand(-1, self.num_heads // self.num_groups, -1, -1).reshape_as(heads)
+        weight = z * heads + (1.0 - z) * groups
+        return nn.functional.linear(hidden, weight.reshape(self.num_heads * self.head_dim, -1))
+
+    def extra_repr(self) -> str:
+        return (f'in_features={self.in_features}, heads={self.num_heads}, groups={self.num_groups}, '
+                f'head_dim={self.head_dim}')
+
+
+def transfer_to_gqa_state_dict(state_dict: dict[str, torch.Tensor], head_dim: int) -> tuple[dict[str, torch.Tensor],
+                                                                                           int]:
+    """A transfer model's state dict -> standard HF GQA weights (each k/v projection's group heads) and the K/V head
+    count. Refuses unless every gate is frozen at 0: otherwise dropping the original heads would change the model."""
+    gqa = dict(state_dict)
+    groups = set()
+    layer = 0
+    while f'model.layers.{layer}.self_attn.k_proj.group_weight' in state_dict:
+        for projection in ('k_proj', 'v_proj'):
+            prefix = f'model.layers.{layer}.self_attn.{projection}.'
+            gates = gqa.pop(prefix + 'frozen_gates')
+            gqa.pop(prefix + 'log_alpha')
+            if bool((gates != 0).any()):
+                state = 'not frozen yet' if bool((gates < 0).any()) else f'{int((gates > 0).sum())} still open'
+                raise ValueError(f'{prefix}: the transfer gates are {state}; the original heads are still in use, '
+                                 'so the model cannot be exported as GQA (train past the freeze point)')
+            gqa[prefix + 'weight'] = gqa.pop(prefix + 'group_weight')
+            groups.add(gqa[prefix + 'weight'].shape[0] // head_dim)
+        layer += 1
+    if layer == 0:
+        raise ValueError('no transfer projections (model.layers.<i>.self_attn.k_proj.group_weight) in the state dict')
+    if len(groups) != 1:
+        raise ValueError(f'K/V head counts differ across layers ({sorted(groups)}): not a standard GQA model')
+    return gqa, groups.pop()
