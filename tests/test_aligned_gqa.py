@@ -61,3 +61,43 @@ def test_align_rejects_bad_settings_before_calibrating(tmp_path, data_root):
         run_align(tmp_path / 'mha', tmp_path / 'out', AlignSettings(num_groups=2, criterion='l2', data=str(data_root)))
     with pytest.raises(FileNotFoundError, match='calibration data'):
         run_align(tmp_path / 'mha', tmp_path / 'out', AlignSettings(num_groups=2, data=str(tmp_path / 'nowhere')))
+
+
+def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root, tokenizer_dir):
+    """launch/aligned_gqa.sh with the tiny recipe: align -> 2-process FSDP2 pruning with distillation -> export as
+    standard HF GQA, which plain transformers loads and generates with, its KV cache holding 2 heads; a re-run
+    skips both stages."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from conftest import REPO
+
+    planted_mha(tmp_path / 'mha')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
+           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli', 'ALIGN_ARGS': '--tokens 512 --batch-size 4',
+           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port 29671'}
+    command = ['bash', 'launch/aligned_gqa.sh', str(tmp_path / 'mha'), 'yamls/aligned_gqa/tiny', str(data_root),
+               str(tmp_path / 'runs'), '2', '2', 'variables.steps=20', 'eval_interval=20ba', 'save_interval=10ba']
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert 'distill/kl' in log and 'transfer/frozen' in log
+
+    hf = tmp_path / 'runs' / 'mha-agqa2-prune' / 'hf'
+    model = LlamaForCausalLM.from_pretrained(hf, local_files_only=True).eval()
+    assert type(model) is LlamaForCausalLM and model.config.num_key_value_heads == 2
+    prompt = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    assert out.sequences.shape == (1, 14)
+    cache = out.past_key_values
+    keys = cache.key_cache[0] if hasattr(cache, 'key_cache') else cache[0][0]
+    assert keys.shape[1] == 2  # (batch, K/V heads, tokens, head dim)
+
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and 'align: done' in again.stdout and 'prune: done' in again.stdout

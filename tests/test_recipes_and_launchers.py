@@ -13,7 +13,7 @@ from dha_train.config import ConfigError, load_config
 
 RECIPES = sorted((REPO / 'yamls').rglob('*.yaml'))
 PLACEHOLDERS = ['variables.model_path=/m', 'variables.data_root=/d', 'variables.save_root=/s',
-                'variables.out=/o', 'variables.run_dir=/r']
+                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t']
 
 
 @pytest.mark.parametrize('recipe', RECIPES, ids=lambda p: str(p.relative_to(REPO)))
@@ -94,3 +94,35 @@ def test_dha_pipeline_launcher_refuses_bad_arguments(tmp_path):
     no_model = subprocess.run(['bash', 'launch/dha_pipeline.sh', str(tmp_path / 'x'), 'yamls/dha/tiny', 'd', 's',
                                '0.25'], env=env, cwd=REPO, capture_output=True, text=True)
     assert no_model.returncode == 2 and 'not a HF model folder' in no_model.stderr
+
+
+@pytest.mark.parametrize('model', ['llama2-7b', 'sheared-llama-1.3b', 'tiny'])
+def test_aligned_gqa_recipes_build_and_follow_the_paper(model, tmp_path):
+    from dha_train import components, registry  # noqa: F401
+    from dha_train.algorithms.distillation import Distillation
+    from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
+
+    (tmp_path / 'config.json').write_text('{}')  # a teacher folder to point at
+    config = load_config(REPO / 'yamls/aligned_gqa' / model / 'prune.yaml',
+                         ['variables.data_root=/d', 'variables.save_root=/s', f'variables.teacher_path={tmp_path}'])
+    transfer, distill = registry.algorithms.build_all(config.algorithms)
+    assert isinstance(transfer, KVHeadTransfer) and isinstance(distill, Distillation)
+    assert (transfer.warmup_fraction, transfer.freeze_fraction) == (0.3, 0.8) and distill.top_k == 16
+    assert config.model.pretrained_path == f'/s/{config.variables["name"]}-aligned'
+    assert config.save_folder == f'/s/{config.variables["name"]}-prune'
+    if model != 'tiny':  # seed 001 section 4.1 and App. A Table 3
+        assert transfer.mask_lr == 1e-2 and config.optimizer.lr == 1e-5 and config.scheduler.alpha_f == 0.0
+        assert config.global_train_batch_size == 64 and config.scheduler.t_warmup == '32ba'
+        assert distill.lm_weight == 0.0 and config.fsdp.enabled and config.autoresume
+
+
+def test_aligned_gqa_launcher_refuses_bad_arguments(tmp_path):
+    (tmp_path / 'm').mkdir()
+    (tmp_path / 'm' / 'config.json').write_text('{}')
+    env = {**os.environ, 'COMPOSER': 'true', 'DHA_TRAIN': 'true'}
+    bad = subprocess.run(['bash', 'launch/aligned_gqa.sh', str(tmp_path / 'm'), 'yamls/aligned_gqa/tiny', 'd', 's',
+                          'two'], env=env, cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and 'num_groups must be a positive integer' in bad.stderr
+    no_recipe = subprocess.run(['bash', 'launch/aligned_gqa.sh', str(tmp_path / 'm'), 'yamls/dha/tiny', 'd', 's',
+                                '2'], env=env, cwd=REPO, capture_output=True, text=True)
+    assert no_recipe.returncode == 2 and 'prune.yaml not found' in no_recipe.stderr
