@@ -12,16 +12,11 @@
 # GPU add --device cuda). Re-running resumes: a stage whose output exists is skipped, a cut-short pruning run
 # autoresumes. Extra key=value overrides apply to the pruning run.
 set -euo pipefail
-if [[ $# -lt 5 ]]; then
-  echo "usage: $0 <mha_hf_dir> <recipe_dir> <data_root> <save_root> <num_groups> [nproc] [key=value ...]" >&2
-  exit 2
-fi
-MODEL=$1; RECIPES=$2; DATA=$3; SAVE=$4; NUM_GROUPS=$5
-NPROC=${6:-8}
-shift $(( $# < 6 ? $# : 6 ))
-if [[ ! -f "$RECIPES/prune.yaml" ]]; then echo "$0: $RECIPES/prune.yaml not found" >&2; exit 2; fi
-if [[ ! -f "$MODEL/config.json" ]]; then echo "$0: $MODEL is not a HF model folder (no config.json)" >&2; exit 2; fi
-if ! [[ "$NUM_GROUPS" =~ ^[1-9][0-9]*$ ]]; then echo "$0: num_groups must be a positive integer, got $NUM_GROUPS" >&2; exit 2; fi
+source "$(dirname "$0")/chain_args.sh"
+parse_chain_args num_groups "$@"
+NUM_GROUPS=$TARGET
+need_recipes prune
+[[ "$NUM_GROUPS" =~ ^[1-9][0-9]*$ ]] || die "num_groups must be a positive integer, got $NUM_GROUPS"
 NAME=${AGQA_NAME:-$(basename "$MODEL")-agqa$NUM_GROUPS}
 COMPOSER=${COMPOSER:-composer}
 DHA_TRAIN=${DHA_TRAIN:-dha-train}
@@ -42,7 +37,7 @@ else
   say "prune"
   $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/prune.yaml" variables.model_path="$SAVE/$NAME-aligned" \
     variables.teacher_path="$MODEL" variables.num_groups="$NUM_GROUPS" variables.data_root="$DATA" \
-    variables.save_root="$SAVE" variables.name="$NAME" "$@"
+    variables.save_root="$SAVE" variables.name="$NAME" "${EXTRA[@]}"
   $DHA_TRAIN export "$SAVE/$NAME-prune" "$SAVE/$NAME-prune/hf" --overwrite
 fi
 say "done: $SAVE/$NAME-prune/hf (standard HF GQA, $NUM_GROUPS K/V heads per layer)"

@@ -11,19 +11,12 @@
 # Re-running resumes: a stage whose output exists is skipped, and a stage cut short autoresumes from its last
 # checkpoint. Extra key=value overrides apply to every stage (loggers, batch sizes, ...).
 set -euo pipefail
-if [[ $# -lt 5 ]]; then
-  echo "usage: $0 <mha_hf_dir> <recipe_dir> <data_root> <save_root> <kv_budget> [nproc] [key=value ...]" >&2
-  exit 2
-fi
-MODEL=$1; RECIPES=$2; DATA=$3; SAVE=$4; BUDGET=$5
-NPROC=${6:-8}
-shift $(( $# < 6 ? $# : 6 ))
-for stage in search fusion ct; do
-  if [[ ! -f "$RECIPES/$stage.yaml" ]]; then echo "$0: $RECIPES/$stage.yaml not found" >&2; exit 2; fi
-done
-if [[ ! -f "$MODEL/config.json" ]]; then echo "$0: $MODEL is not a HF model folder (no config.json)" >&2; exit 2; fi
+source "$(dirname "$0")/chain_args.sh"
+parse_chain_args kv_budget "$@"
+BUDGET=$TARGET
+need_recipes search fusion ct
 PERCENT=$(awk -v b="$BUDGET" 'BEGIN { if (b <= 0 || b > 1) exit 1; printf "%d", b * 100 + 0.5 }') \
-  || { echo "$0: kv_budget must be a fraction in (0, 1], got $BUDGET" >&2; exit 2; }
+  || die "kv_budget must be a fraction in (0, 1], got $BUDGET"
 NAME=${DHA_NAME:-$(basename "$MODEL")-dha$PERCENT}
 COMPOSER=${COMPOSER:-composer}
 DHA_TRAIN=${DHA_TRAIN:-dha-train}
@@ -36,14 +29,14 @@ if [[ -f "$SAVE/$NAME-search/search/head_map.json" ]]; then
 else
   say "search: $NAME at a $BUDGET K+V budget"
   $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/search.yaml" variables.model_path="$MODEL" \
-    variables.kv_budget="$BUDGET" "${COMMON[@]}" "$@"
+    variables.kv_budget="$BUDGET" "${COMMON[@]}" "${EXTRA[@]}"
 fi
 
 if [[ -f "$SAVE/$NAME-fusion/hf/config.json" ]]; then
   say "fusion: done ($SAVE/$NAME-fusion/hf)"
 else
   say "fusion"
-  $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/fusion.yaml" variables.model_path="$MODEL" "${COMMON[@]}" "$@"
+  $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/fusion.yaml" variables.model_path="$MODEL" "${COMMON[@]}" "${EXTRA[@]}"
   $DHA_TRAIN export "$SAVE/$NAME-fusion" "$SAVE/$NAME-fusion/hf" --overwrite
 fi
 
@@ -51,7 +44,7 @@ if [[ -f "$SAVE/$NAME-ct/hf/config.json" ]]; then
   say "ct: done ($SAVE/$NAME-ct/hf)"
 else
   say "continued pre-training"
-  $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/ct.yaml" "${COMMON[@]}" "$@"
+  $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/ct.yaml" "${COMMON[@]}" "${EXTRA[@]}"
   $DHA_TRAIN export "$SAVE/$NAME-ct" "$SAVE/$NAME-ct/hf" --overwrite
 fi
 say "finished: $SAVE/$NAME-ct/hf"

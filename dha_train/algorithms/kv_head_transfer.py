@@ -118,13 +118,6 @@ class KVHeadTransfer(Algorithm):
         logger.log_metrics({'transfer/density': density, 'transfer/target': self._target,
                             'transfer/frozen': float(self.frozen), 'transfer/forced_closed': self.forced_closed})
 
-    @staticmethod
-    def of(state: State, needed_by: str) -> 'KVHeadTransfer':
-        for algorithm in state.algorithms:
-            if isinstance(algorithm, KVHeadTransfer):
-                return algorithm
-        raise ValueError(f'{needed_by} needs the kv_head_transfer algorithm in the recipe')
-
     def state_dict(self) -> dict[str, Any]:
         return {'history': list(self.history), 'frozen_at': self.frozen_at, 'forced_closed': self.forced_closed,
                 'gate_rng': self.generator.get_state()}
