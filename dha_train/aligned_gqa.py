@@ -74,7 +74,7 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
     from dha_train.ops.grouping import anneal_equal_groups_batch, within_group_score
     from dha_train.ops.heads import permute_llama_state_dict
     from dha_train.paths import refuse_nonempty, staged_folder
-    from dha_train.search import SearchSettings, _calibration_batches, _load_mha
+    from dha_train.search import SearchSettings, calibration_batches, load_mha  # shared with `dha-train search`
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
@@ -88,8 +88,8 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
                              batch_size=settings.batch_size, seed=settings.seed, device=settings.device)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    model = _load_mha(model_dir, loading, config)
-    stats = calibrate(model, _calibration_batches(model_dir, loading, config), num_tokens=settings.tokens,
+    model = load_mha(model_dir, loading, config)
+    stats = calibrate(model, calibration_batches(model_dir, loading, config), num_tokens=settings.tokens,
                       kinds=('key', 'value'), seed=settings.seed, unit_rows=True)
     timings['calibration_s'] = time.perf_counter() - started
 

@@ -141,7 +141,7 @@ def per_layer_count(settings: SearchSettings, num_heads: int) -> int:
 # Model and data
 # ----------------------------------------------------------------------------------------------------------------
 
-def _load_mha(model_dir: Path, settings: SearchSettings, config):
+def load_mha(model_dir: Path, settings: SearchSettings, config):
     from transformers import LlamaForCausalLM
 
     if config.num_key_value_heads != config.num_attention_heads:
@@ -154,7 +154,7 @@ def _load_mha(model_dir: Path, settings: SearchSettings, config):
     return model.to(settings.device)
 
 
-def _calibration_batches(model_dir: Path, settings: SearchSettings, config):
+def calibration_batches(model_dir: Path, settings: SearchSettings, config):
     """Batches from a shuffled StreamingDataLoader over the data's domain mixture (train split by default)."""
     from dha_train.config import TrainLoaderConfig
     from dha_train.data.loaders import build_train_dataloader, check_data_matches_model
@@ -320,7 +320,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    model = _load_mha(model_dir, settings, config)
+    model = load_mha(model_dir, settings, config)
     attention = attention_modules(model)
 
     weight_similarity = {name: [weight_cka(getattr(a, f'{name}_proj').weight, num_heads) for a in attention]
@@ -335,7 +335,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
         count = per_layer_count(settings, num_heads)
         key_partitions = value_partitions = [neighbour_groups(num_heads, count) for _ in range(num_layers)]
     else:
-        batches = _calibration_batches(model_dir, settings, config)
+        batches = calibration_batches(model_dir, settings, config)
         fitness_batches = []
         if settings.method == 'asym':  # held out from calibration, fixed for the whole search
             for _ in range(settings.fitness_batches):
