@@ -31,8 +31,8 @@ from composer.loggers import Logger
 from dha_train import registry
 from dha_train.models.fusion import FusedProjection, unsharded
 from dha_train.models.head_map import HeadMap
-from dha_train.ops.fusion import (dual_ascent, fusion_margin, group_members, head_distances, lagrangian_penalty,
-                                  progressive_sizes, split_into_subgroups)
+from dha_train.ops.fusion import (dual_ascent, fusion_margin, group_members, groups_of, head_distances,
+                                  lagrangian_penalty, progressive_sizes, split_into_subgroups)
 from dha_train.ops.grouping import Partition, neighbour_groups
 
 OMEGA_GROUP = 'fusion_omega'
@@ -134,7 +134,7 @@ class HeadFusion(Algorithm):
         for layer, pair in enumerate(self.projections):
             kinds = []
             for kind, projection in enumerate(pair):
-                groups = [list(group) for group in sorted({tuple(row) for row in projection.members.tolist()})]
+                groups = groups_of(projection.members)
                 size = self._stage_size(projection, stage)
                 if size == projection.members.shape[1]:
                     subgroups = groups

@@ -167,9 +167,9 @@ def bake(source: torch.Tensor, omega: torch.Tensor, members: torch.Tensor,
     return torch.cat(compact).reshape(len(partition) * head_dim, *source.shape[1:])
 
 
-def _groups_of(members: torch.Tensor) -> list[list[int]]:
+def groups_of(members: torch.Tensor) -> list[list[int]]:
     """The partition a members table encodes, groups ordered by their first head."""
-    return sorted({tuple(row) for row in members.tolist()}, key=lambda group: group[0])
+    return [list(group) for group in sorted({tuple(row) for row in members.tolist()}, key=lambda group: group[0])]
 
 
 def bake_llama_state_dict(state_dict: dict[str, torch.Tensor], head_dim: int):
@@ -185,7 +185,7 @@ def bake_llama_state_dict(state_dict: dict[str, torch.Tensor], head_dim: int):
         for projection, partitions in (('k_proj', key_partitions), ('v_proj', value_partitions)):
             prefix = f'model.layers.{layer}.self_attn.{projection}.'
             omega, members = baked.pop(prefix + 'omega'), baked.pop(prefix + 'members')
-            partition = [list(group) for group in _groups_of(members)]
+            partition = groups_of(members)
             for param in ('weight', 'bias'):
                 if prefix + param in state_dict:
                     baked[prefix + param] = bake(state_dict[prefix + param], omega, members, partition)
