@@ -39,7 +39,7 @@ class Distillation(Algorithm):
         self.top_k, self.temperature = top_k, temperature
         self.teacher: Optional[torch.nn.Module] = None
         self._teacher_logits: Optional[torch.Tensor] = None
-        self._terms: dict[str, float] = {}
+        self._terms: dict[str, torch.Tensor] = {}  # detached; read as floats once per batch, not per micro-batch
 
     def match(self, event: Event, state: State) -> bool:
         return event in (Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
@@ -83,11 +83,11 @@ class Distillation(Algorithm):
             mask = state.batch.get('attention_mask')
             kl = kl_loss(student, self._teacher_logits, self.temperature, mask)
             bild = bild_loss(student, self._teacher_logits, self.top_k, self.temperature, mask)
-            self._terms = {'lm': float(state.loss), 'kl': float(kl), 'bild': float(bild)}
+            self._terms = {'lm': state.loss.detach(), 'kl': kl.detach(), 'bild': bild.detach()}
             state.loss = self.lm_weight * state.loss + self.kl_weight * kl + self.bild_weight * bild
             self._teacher_logits = None
         elif event == Event.BATCH_END and self._terms:
-            logger.log_metrics({f'distill/{name}': value for name, value in self._terms.items()})
+            logger.log_metrics({f'distill/{name}': float(value) for name, value in self._terms.items()})
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # the teacher is a fixed input, not training state
