@@ -168,7 +168,7 @@ def _bench_conversion(args) -> int:
 
     run_conversion_bench(run=args.run, out=args.out, gqa_multiple=args.gqa_multiple, eval_every=args.eval_every,
                          timing_batches=args.timing_batches, repeats=args.repeats, teacher=args.teacher,
-                         progressive_sizes=args.progressive)
+                         progressive_sizes=args.progressive, sections=args.sections)
     return 0
 
 
@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     conversion.add_argument('--repeats', type=int, default=3, help='interleaved timing rounds (median reported)')
     conversion.add_argument('--progressive', nargs='+', type=int, default=[2], metavar='SIZE',
                             help='sub-group sizes of the progressive fusion compared with one-stage fusion (default 2)')
+    from dha_train.bench.conversion import SECTIONS
+
+    conversion.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
+                            help='dha: DHA vs GQA (tokens to match, equal budgets, step times, progressive fusion); '
+                                 'aligned: aligned GQA cos/dist x key/value; asym: AsymGQA (default: all)')
     _teacher_argument(conversion)
     conversion.set_defaults(func=_bench_conversion)
     search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '

@@ -83,8 +83,12 @@ def bake_fusion(config, weights: dict):
     head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
     baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim)
     head_map = HeadMap.dha(key_partitions, value_partitions, config.num_attention_heads, head_dim)
-    settings = {k: v for k, v in config.to_dict().items() if k not in ('model_type', 'architectures', 'auto_map')}
-    return DhaLlamaConfig(**{**settings, 'head_map': head_map.to_dict()}), baked
+    return DhaLlamaConfig(**{**_llama_settings(config), 'head_map': head_map.to_dict()}), baked
+
+
+def _llama_settings(config) -> dict:
+    """A config's fields without its class identity, to rebuild it as another LLaMA variant."""
+    return {k: v for k, v in config.to_dict().items() if k not in ('model_type', 'architectures', 'auto_map')}
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
@@ -115,6 +119,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
             weights, config.num_key_value_heads = transfer_to_gqa_state_dict(weights, head_dim)
         except ValueError as exc:
             raise CheckpointError(f'{path}: {exc}') from exc
+    if getattr(config, 'moh_router', None) is not None and config.model_type != 'moh_llama':
+        from dha_train.models.modeling_moh import MohLlamaConfig  # a mixture_of_heads run: the MoH model class
+
+        config = MohLlamaConfig(**_llama_settings(config))
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:

@@ -127,3 +127,20 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
     if log_y:
         ax.set_yscale('log')
     return _finish(fig, ax, out, xlabel, ylabel, title)
+
+
+def plot_head_load(load, out: str | Path, title: str = '') -> Path:
+    """Share of tokens routed to each head, one heatmap row per layer (MoH Fig. 3); shared heads read 1."""
+    import numpy as np
+
+    plt = _pyplot()
+    load = np.asarray(load, dtype=float)
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * load.shape[0]), dpi=120)
+    image = ax.imshow(load, aspect='auto', cmap='viridis', vmin=0.0, vmax=1.0, interpolation='nearest')
+    fig.colorbar(image, ax=ax, label='share of tokens')
+    ax.set_yticks(range(load.shape[0]))
+    ax.set_xlabel('head')
+    ax.set_ylabel('layer')
+    ax.set_title(title)
+    fig.tight_layout()
+    return _save(fig, out)

@@ -141,3 +141,14 @@ def _optimizer_monitor(log_optimizer_metrics: bool = True):
     from composer.callbacks import OptimizerMonitor
 
     return OptimizerMonitor(log_optimizer_metrics=log_optimizer_metrics)
+
+
+# --- Composer's own algorithms ----------------------------------------------------------------------------------
+@algorithms.register('gradient_clipping')
+def _gradient_clipping(clipping_type: str = 'norm', clipping_threshold: float = 1.0):
+    from composer.algorithms import GradientClipping
+
+    if clipping_type not in ('norm', 'value', 'adaptive'):
+        raise ConfigError(f"algorithms.gradient_clipping.clipping_type: '{clipping_type}' is not one of norm, value, "
+                          'adaptive')
+    return GradientClipping(clipping_type=clipping_type, clipping_threshold=clipping_threshold)

@@ -10,9 +10,17 @@ Fusion -> CT and the GQA conversion. Then, in the same process:
 4. step time of the fusion phase and of the DHA model's CT, each over the MHA model's step time, from interleaved
    timing runs of ``timing_batches`` batches (after 3 warm-up batches), the median over ``repeats`` rounds;
 5. progressive fusion (``progressive_sizes``, then the whole groups) against the one-stage fusion: tokens to
-   converge and the loss after fusion.
+   converge and the loss after fusion;
+6. aligned GQA (seed 001), one row per criterion (cos, dist) and grouping (by key, by value): the loss of the
+   aligned model mean-pooled to its groups (right after conversion), and of the standard GQA export after a
+   pruning run (L0 gates + KL/BiLD distillation from the teacher, ``yamls/aligned_gqa/tiny/prune.yaml``) of DHA's
+   fusion + CT tokens;
+7. AsymGQA (seed 004): the asymmetric search (unequal groups) mean-pooled, and after CT (``yamls/gqa/tiny_ct.yaml``)
+   of the same tokens; the symmetric search (equal groups) right after conversion.
 
-Prints a table and writes results.json in ``out`` (default <run>/bench_conversion).
+``sections`` picks which of these run: 'dha' (1-5), 'aligned' (6), 'asym' (7). Every method gets the same teacher,
+the same 25% K+V budget and the same number of training tokens. Prints a table and writes results.json in ``out``
+(default <run>/bench_conversion).
 """
 
 from __future__ import annotations
@@ -22,19 +30,24 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from dha_train.quickstart import (DHA_NAME, SEQ_LEN, mean_eval, mean_eval_curve, run_quickstart, train_stage,
-                                  train_tokens)
+from dha_train.quickstart import (DHA_NAME, SEQ_LEN, gqa_kv_heads, mean_eval, mean_eval_curve, run_quickstart,
+                                  train_stage, train_tokens)
 
 BATCH = 16  # the tiny recipes' global batch
+SECTIONS = ('dha', 'aligned', 'asym')
+ALIGNED_VARIANTS = (('cos', 'key'), ('cos', 'value'), ('dist', 'key'), ('dist', 'value'))
 
 
 def _gqa_ct(run: Path, work: Path, gqa_model: str, name: str, batches: int, eval_every: int) -> dict:
+    import shutil
+
+    shutil.rmtree(work / name, ignore_errors=True)  # a measurement starts fresh: never autoresume a stale run
     _, config, history = train_stage('gqa/tiny_ct.yaml', [
         f'variables.model_path={gqa_model}', f'variables.data_root={run / "data"}', f'variables.save_root={work}',
         f'run_name={name}', f'max_duration={batches}ba', f'eval_interval={eval_every}ba', 'save_interval=100000ba'],
         None)
     if not history['eval']:
-        raise RuntimeError(f'bench {name}: no evaluation logged; delete {work / name} and run again')
+        raise RuntimeError(f'bench {name}: no evaluation was logged')
     return {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'], 'tokens': train_tokens(config)}
 
 
@@ -64,23 +77,158 @@ def _progressive_fusion(run: Path, work: Path, head_map: str, sizes: Sequence[in
     fusion = HeadFusion.of(trainer.state, 'bench conversion')
     history = fusion.history
     hf = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True)
-    _, _, evaluation = train_stage('dha/tiny/ct.yaml', common + [f'variables.model_path={hf}', 'save_folder=null',
-                                                                 'autoresume=false'], 1)
     return {'sizes': list(sizes), 'batches': len(history), 'tokens': len(history) * BATCH * SEQ_LEN,
             'converged': fusion.converged_at is not None,
             'stage_starts': [i for i in range(1, len(history)) if history[i]['stage'] != history[i - 1]['stage']],
-            'final_fusion_loss': history[-1]['fusion_loss'], 'loss_after_fusion': mean_eval(evaluation, 0)['mean']}
+            'final_fusion_loss': history[-1]['fusion_loss'], 'loss_after_fusion': _validation_loss(run, hf)}
+
+
+def _validation_loss(run: Path, hf_folder: str | Path) -> float:
+    """Validation loss (mean over the domains) of an HF folder: the first evaluation of a one-batch CT run that
+    saves nothing (any head-mapped or standard LLaMA folder)."""
+    _, _, history = train_stage('gqa/tiny_ct.yaml', [
+        f'variables.model_path={hf_folder}', f'variables.data_root={run / "data"}', 'eval_first=true',
+        'save_folder=null', 'autoresume=false', 'run_name=bench-eval'], 1)
+    return mean_eval(history, 0)['mean']
+
+
+def _aligned_gqa(run: Path, work: Path, num_groups: int, batches: int, criterion: str, group_by: str,
+                 seed: int) -> dict:
+    """Aligned GQA on the teacher: align (calibrate, aligned similarity, grouping, Procrustes folded in), the
+    mean-pooled aligned model, then a pruning run of ``batches`` and its standard-GQA export."""
+    import shutil
+
+    from dha_train.aligned_gqa import TARGET_MAP_FILE, AlignSettings, run_align
+    from dha_train.convert import convert_checkpoint
+    from dha_train.export import export_hf
+    from dha_train.models.head_map import HeadMap
+
+    name = f'bench-agqa-{criterion}-{group_by}'
+    teacher = run / 'export' / 'hf'
+    aligned = work / f'{name}-aligned'
+    report = run_align(teacher, aligned, AlignSettings(num_groups=num_groups, criterion=criterion, group_by=group_by,
+                                                       data=str(run / 'data'), seed=seed), overwrite=True)
+    pooled = convert_checkpoint(aligned, work / f'{name}-pooled', HeadMap.load(aligned / TARGET_MAP_FILE),
+                                overwrite=True)
+    shutil.rmtree(work / f'{name}-prune', ignore_errors=True)
+    trainer, config, history = train_stage('aligned_gqa/tiny/prune.yaml', [
+        f'variables.model_path={aligned}', f'variables.teacher_path={teacher}', f'variables.data_root={run / "data"}',
+        f'variables.save_root={work}', f'variables.name={name}', f'variables.num_groups={num_groups}',
+        f'variables.steps={batches}', f'save_interval={batches}ba', f'eval_interval={batches}ba'], None)
+    from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
+
+    transfer = next(a for a in trainer.state.algorithms if isinstance(a, KVHeadTransfer))
+    gqa = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True)
+    return {'criterion': criterion, 'group_by': group_by, 'groups': [entry['groups'] for entry in report['layers']],
+            'mean_cosine': report['mean_cosine'], 'align_seconds': report['timings']['total_s'],
+            'after_conversion': _validation_loss(run, pooled), 'after_training': _validation_loss(run, gqa),
+            'pruning_run_last_eval': mean_eval(history, -1)['mean'], 'gates_frozen_at': transfer.frozen_at,
+            'gates_forced_closed': transfer.forced_closed, 'tokens': train_tokens(config), 'export': str(gqa)}
+
+
+def _asym_gqa(run: Path, work: Path, kv_heads: int, batches: int | None, symmetric: bool, seed: int) -> dict:
+    """AsymGQA's grouping search on the teacher (LM-loss fitness), mean-pooled to it, then CT of ``batches``
+    (None: conversion only)."""
+    from dha_train.convert import convert_checkpoint
+    from dha_train.search import SearchSettings, run_search
+
+    name = f'bench-{"sym" if symmetric else "asym"}gqa'
+    result = run_search(run / 'export' / 'hf', work / f'{name}-search',
+                        SearchSettings(method='asym', kv_heads=kv_heads, symmetric=symmetric, data=str(run / 'data'),
+                                       fitness='loss', seed=seed), overwrite=True)
+    hf = convert_checkpoint(run / 'export' / 'hf', work / f'{name}-convert', result.head_map, overwrite=True)
+    row = {'symmetric': symmetric, 'group_sizes': [[len(group) for group in layer.key] for layer in
+                                                   result.head_map.layers],
+           'search_seconds': result.report['timings']['total_s']}
+    if batches is None:
+        return {**row, 'after_conversion': _validation_loss(run, hf), 'after_training': None, 'tokens': 0}
+    ct = _gqa_ct(run, work, str(hf), f'{name}-ct', batches, batches)
+    return {**row, 'after_conversion': ct['curve'][0][1], 'after_training': ct['final'], 'tokens': ct['tokens']}
 
 
 def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | None = None, gqa_multiple: float = 5.0,
                          eval_every: int = 10, timing_batches: int = 20, repeats: int = 3, seed: int = 17,
-                         teacher: Sequence[str] = (), progressive_sizes: Sequence[int] = (2,)) -> dict:
+                         teacher: Sequence[str] = (), progressive_sizes: Sequence[int] = (2,),
+                         sections: Sequence[str] = SECTIONS) -> dict:
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ValueError(f'bench conversion: sections must be among {", ".join(SECTIONS)}, got {list(sections)}')
     run = Path(run).resolve()
     summary = run_quickstart(run, seed=seed, teacher=teacher)
     work = Path(out).resolve() if out else run / 'bench_conversion'
     work.mkdir(parents=True, exist_ok=True)
     stages = {name: json.loads((run / name / 'DONE.json').read_text())
               for name in ('dha_search', 'dha_fusion', 'dha_ct', 'gqa_convert', 'gqa_ct')}
+    fusion, dha_ct = stages['dha_fusion'], stages['dha_ct']
+    # Every method trains on DHA's total budget (fusion + CT tokens).
+    budget_batches = (fusion['tokens'] + dha_ct['tokens']) // (BATCH * SEQ_LEN)
+    results = {'teacher_overrides': list(teacher), 'kv_budget': 0.25, 'sections': list(sections),
+               'mha_loss': summary['conversions']['rows'][0]['val_loss'],
+               'equal_budget_tokens': budget_batches * BATCH * SEQ_LEN}
+    model = ' '.join(teacher) or 'the tiny quickstart teacher'
+    print()
+    print(f'Conversions at a 25% KV budget ({model}; MHA val loss {results["mha_loss"]:.4f})')
+
+    def save() -> None:  # after every section, so that a later failure keeps what was measured
+        (work / 'results.json').write_text(json.dumps(results, indent=2))
+
+    from dha_train.models.head_map import HeadMap
+
+    print(f'[bench] GQA continued pre-training with DHA\'s total (fusion + CT) tokens ({budget_batches} batches) ...',
+          flush=True)
+    equal = _gqa_ct(run, work, stages['gqa_convert']['hf_folder'], 'bench-gqa-equal', budget_batches, budget_batches)
+    results['equal_budget'] = {'tokens': equal['tokens'], 'dha_after_ct': dha_ct['final']['mean'],
+                               'gqa_after_ct': equal['final']}
+    save()
+    if 'dha' in sections:
+        _dha_section(run, work, stages, results, save, equal, gqa_multiple, eval_every, timing_batches, repeats,
+                     progressive_sizes)
+    num_groups = gqa_kv_heads(HeadMap.load(Path(stages['dha_search']['head_map'])).layers[0].num_query_heads)
+    if 'aligned' in sections:
+        results['aligned_gqa'] = []
+        for criterion, group_by in ALIGNED_VARIANTS:
+            print(f'[bench] aligned GQA ({criterion}, grouped by {group_by}): align, prune with distillation '
+                  f'({budget_batches} batches), export ...', flush=True)
+            results['aligned_gqa'].append(_aligned_gqa(run, work, num_groups, budget_batches, criterion, group_by,
+                                                       seed))
+            save()
+    if 'asym' in sections:
+        results['asym_gqa'] = []
+        for symmetric, batches in ((False, budget_batches), (True, None)):
+            print(f'[bench] AsymGQA ({"symmetric" if symmetric else "asymmetric"} search)'
+                  + ('' if batches is None else f', CT ({batches} batches)') + ' ...', flush=True)
+            results['asym_gqa'].append(_asym_gqa(run, work, num_groups, batches, symmetric, seed))
+            save()
+    _print_method_table(results, stages)
+    save()
+    print(f'  results.json in {work}')
+    return results
+
+
+def _print_method_table(results: dict, stages: dict) -> None:
+    """Every method at the same budget: loss right after conversion and after the same training tokens."""
+    tokens = results['equal_budget_tokens']
+    rows = [('GQA mean-pool (neighbour groups)', stages['gqa_ct']['initial']['mean'],
+             results['equal_budget']['gqa_after_ct']),
+            ('DHA (fusion, then CT)', stages['dha_ct']['initial']['mean'], stages['dha_ct']['final']['mean'])]
+    for row in results.get('aligned_gqa', []):
+        rows.append((f'aligned GQA {row["criterion"]}, by {row["group_by"]}', row['after_conversion'],
+                     row['after_training']))
+    for row in results.get('asym_gqa', []):
+        sizes = sorted({size for layer in row['group_sizes'] for size in layer})
+        rows.append((f'{"Sym" if row["symmetric"] else "Asym"}GQA (group sizes {sizes})', row['after_conversion'],
+                     row['after_training']))
+    print()
+    print(f'  every method at 25% K+V; "after training": {tokens:,} tokens (DHA\'s fusion + CT)')
+    print(f'  {"method":<40} {"after conversion":>17} {"after training":>15}')
+    for name, converted, trained in rows:
+        print(f'  {name:<40} {converted:>17.4f} ' + (f'{trained:>15.4f}' if trained is not None else f'{"-":>15}'))
+    print('  (after conversion: DHA after fusion; aligned GQA: the aligned model mean-pooled to its groups)')
+
+
+def _dha_section(run: Path, work: Path, stages: dict, results: dict, save, equal: dict, gqa_multiple: float,
+                 eval_every: int, timing_batches: int, repeats: int, progressive_sizes: Sequence[int]) -> None:
+    """DHA against mean-pool GQA: tokens to match, equal budgets, step-time ratios, progressive fusion."""
     fusion, dha_ct, gqa = stages['dha_fusion'], stages['dha_ct'], stages['gqa_convert']
     fusion_tokens, ct_tokens = fusion['tokens'], dha_ct['tokens']
     dha_after_fusion, dha_after_ct = dha_ct['initial']['mean'], dha_ct['final']['mean']
@@ -90,9 +238,6 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     long_batches = max(int(round(gqa_multiple * fusion_tokens / (BATCH * SEQ_LEN))), eval_every)
     long = _gqa_ct(run, work, gqa['hf_folder'], 'bench-gqa-reach', long_batches, eval_every)
     reached = next(((batch, loss) for batch, loss in long['curve'] if loss <= dha_after_fusion), None)
-    print('[bench] GQA continued pre-training with DHA\'s total (fusion + CT) tokens ...', flush=True)
-    equal = _gqa_ct(run, work, gqa['hf_folder'], 'bench-gqa-equal', (fusion_tokens + ct_tokens) // (BATCH * SEQ_LEN),
-                    max(1, (fusion_tokens + ct_tokens) // (BATCH * SEQ_LEN)))
 
     print('[bench] step times: MHA, fusion phase, DHA model (interleaved rounds) ...', flush=True)
     teacher_hf = run / 'export' / 'hf'
@@ -111,28 +256,24 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     fusion_ratios = [m / f for m, f in zip(timing['mha'], timing['fusion'])]
     dha_ratios = [m / d for m, d in zip(timing['mha'], timing['dha_ct'])]
 
-    results = {
-        'teacher_overrides': list(teacher), 'kv_budget': 0.25, 'dha_kv_heads': stages['dha_search']['kv_heads'],
-        'mha_loss': summary['conversions']['rows'][0]['val_loss'],
+    results.update({
+        'dha_kv_heads': stages['dha_search']['kv_heads'],
         'loss_after_conversion': {'gqa_mean_pool': gqa_at_init, 'dha_after_fusion': dha_after_fusion},
         'dha_fusion': {'tokens': fusion_tokens, 'batches': fusion['batches'], 'converged_at': fusion['converged_at'],
                        'final_fusion_loss': fusion['final_fusion_loss']},
         'gqa_tokens_to_reach_dha_fusion_loss': reached[0] * BATCH * SEQ_LEN if reached else None,
         'gqa_reach_run': {'tokens': long['tokens'], 'curve': long['curve']},
-        'equal_budget': {'tokens': fusion_tokens + ct_tokens, 'dha_after_ct': dha_after_ct,
-                         'gqa_after_ct': equal['final']},
         'step_time_ratio': {'fusion_over_mha': statistics.median(fusion_ratios),
                             'dha_ct_over_mha': statistics.median(dha_ratios),
                             'per_round_fusion_over_mha': fusion_ratios, 'per_round_dha_ct_over_mha': dha_ratios},
         'tokens_per_second': timing, 'timing_batches': timing_batches,
-    }
-    (work / 'results.json').write_text(json.dumps(results, indent=2))
+    })
+    save()
     speedup = (f'{results["gqa_tokens_to_reach_dha_fusion_loss"] / fusion_tokens:.2f}x DHA\'s fusion tokens'
                if reached else f'not reached within {long["tokens"]:,} tokens '
                                f'(> {long["tokens"] / fusion_tokens:.1f}x DHA\'s fusion tokens)')
     print()
-    model = ' '.join(teacher) or 'the tiny quickstart teacher'
-    print(f'DHA vs GQA at a 25% KV budget ({model}; MHA val loss {results["mha_loss"]:.4f})')
+    print('DHA vs GQA')
     print(f'  loss right after conversion:   GQA (mean-pool) {gqa_at_init:.4f}   DHA after fusion {dha_after_fusion:.4f}'
           f'   (fusion: {fusion_tokens:,} tokens, L_fusion {fusion["final_fusion_loss"]:.1e})')
     print(f'  GQA tokens to reach DHA\'s post-fusion loss: '
@@ -147,11 +288,9 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     print('[bench] progressive fusion (pairs first, then the whole groups) ...', flush=True)
     progressive = _progressive_fusion(run, work, stages['dha_search']['head_map'], progressive_sizes)
     results['progressive_fusion'] = progressive
-    (work / 'results.json').write_text(json.dumps(results, indent=2))
+    save()
     print(f'  progressive fusion {progressive["sizes"]} then whole groups: {progressive["tokens"]:,} tokens '
           f'({progressive["batches"]} batches, next stage at batch {progressive["stage_starts"]}, '
           f'{"converged" if progressive["converged"] else "NOT converged"}, L_fusion '
           f'{progressive["final_fusion_loss"]:.1e}), loss after fusion {progressive["loss_after_fusion"]:.4f} '
           f'against one stage: {fusion_tokens:,} tokens, {dha_after_fusion:.4f}')
-    print(f'  results.json in {work}')
-    return results

@@ -2,6 +2,7 @@
 
 from dha_train.callbacks.fusion_monitor import FusionMonitor
 from dha_train.callbacks.head_search import HeadSearch
+from dha_train.callbacks.moh_monitor import MohMonitor
 from dha_train.callbacks.throughput_probe import ThroughputProbe
 
-__all__ = ['FusionMonitor', 'HeadSearch', 'ThroughputProbe']
+__all__ = ['FusionMonitor', 'HeadSearch', 'MohMonitor', 'ThroughputProbe']

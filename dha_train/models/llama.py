@@ -29,9 +29,9 @@ def build_llama_config(cfg: ModelConfig):
         if not (path / 'config.json').is_file():
             raise ConfigError(f'model.pretrained_path: no HF config.json in {path} (give a local HF model folder)')
         llama_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        if llama_config.model_type not in ('llama', 'dha_llama'):
+        if llama_config.model_type not in ('llama', 'dha_llama', 'moh_llama'):
             raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; "
-                              'dha_train trains LLaMA and DHA-LLaMA models')
+                              'dha_train trains LLaMA, DHA-LLaMA and MoH-LLaMA models')
         for key, value in cfg.config.items():
             setattr(llama_config, key, value)
     else:

@@ -1,0 +1,326 @@
+"""Mixture-of-head attention (MoH, seed 002) LLaMA for HF transformers.
+
+Each token uses the first ``h_s`` heads of a layer (shared, always on) plus the top-k of the remaining ``R = H - h_s``
+heads (routed), and the head outputs are weighted before ``o_proj`` (Eq. 4). Two routers:
+
+- ``learned`` (training from scratch, Eq. 5-6): one linear layer gives the shared logits, the routed logits and the
+  two head-type logits; g = alpha_1 softmax(W_s x) on shared heads, alpha_2 softmax(W_r x) on the selected routed
+  heads, 0 elsewhere, with [alpha_1, alpha_2] = softmax(W_h x).
+- ``query_norm`` (continue-tuning a pretrained MHA model, section 4.4): no parameters. A routed head's score is the
+  softmax over the routed heads of its query's L2 norm; the forward pass uses the quantised score (1 for the top-k
+  routed heads and for every shared head, else 0), and gradients pass straight through to the real score (Eq. 9-10).
+  With every head active the model is the MHA model.
+
+The load-balance loss (Eq. 7, sum over routed heads of P_i f_i) of each forward is kept on the layer
+(``balance_loss``) next to its detached routing statistics, overwritten by the next forward: nothing accumulates in a
+global list, so a trainer reads it once per forward (dha_train's ``MixtureOfHeads`` does at ``AFTER_LOSS``), which
+stays right under gradient accumulation and activation checkpointing (a recomputed forward only overwrites it).
+
+Decoding (one new token, with a cache) computes attention only for the heads that some sequence of the batch uses
+(with batch size 1: exactly the token's h_s + k heads); the cache still holds every head's K/V, since later tokens
+may route to any head. Prefill and training compute every head and weight them.
+
+This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
+exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+ROUTERS = ("learned", "query_norm")
+
+
+def moh_layer_budget(config, layer_idx: int) -> tuple[int, int]:
+    """(shared heads, routed heads each token selects) of one layer: ``moh_shared_heads`` and ``moh_top_k`` are an
+    int for every layer or a list with one entry per layer."""
+    def pick(value):
+        return int(value[layer_idx]) if isinstance(value, (list, tuple)) else int(value)
+
+    return pick(config.moh_shared_heads), pick(config.moh_top_k)
+
+
+def check_moh_settings(num_heads: int, num_layers: int, shared_heads, top_k, router: str) -> None:
+    """Raise ValueError naming the problem when the MoH settings do not fit the model."""
+    if router not in ROUTERS:
+        raise ValueError(f"MoH: router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    for name, value in (("shared_heads", shared_heads), ("top_k", top_k)):
+        if isinstance(value, (list, tuple)) and len(value) != num_layers:
+            raise ValueError(f"MoH: {name} has {len(value)} entries for {num_layers} layers")
+        if not isinstance(value, (int, list, tuple)) or isinstance(value, bool):
+            raise ValueError(f"MoH: {name} must be an int or a per-layer list of ints, got {value!r}")
+    for layer in range(num_layers):
+        shared = int(shared_heads[layer]) if isinstance(shared_heads, (list, tuple)) else int(shared_heads)
+        k = int(top_k[layer]) if isinstance(top_k, (list, tuple)) else int(top_k)
+        routed = num_heads - shared
+        if not 0 <= shared <= num_heads:
+            raise ValueError(f"MoH: layer {layer}: shared_heads={shared} must be in 0..{num_heads}")
+        if not 0 <= k <= routed or (routed > 0 and k == 0):
+            raise ValueError(f"MoH: layer {layer}: top_k={k} must be in 1..{routed} (the {routed} routed heads)")
+        if router == "learned" and routed == 0:
+            raise ValueError(f"MoH: layer {layer}: the learned router needs at least one routed head")
+
+
+class MohLlamaConfig(LlamaConfig):
+    """A ``LlamaConfig`` plus the MoH settings: ``moh_shared_heads`` (h_s), ``moh_top_k`` (routed heads per token),
+    each an int or a per-layer list, and ``moh_router`` ('learned' or 'query_norm'). The defaults are the paper's
+    continue-tuning setting: H/2 shared heads and the top H/4 routed (75% active)."""
+
+    model_type = "moh_llama"
+
+    def __init__(self, moh_shared_heads=None, moh_top_k=None, moh_router: str = "query_norm", **kwargs):
+        super().__init__(**kwargs)
+        heads = self.num_attention_heads
+        self.moh_shared_heads = heads // 2 if moh_shared_heads is None else moh_shared_heads
+        self.moh_top_k = heads // 4 if moh_top_k is None else moh_top_k
+        self.moh_router = moh_router
+        check_moh_settings(heads, self.num_hidden_layers, self.moh_shared_heads, self.moh_top_k, moh_router)
+
+    def active_fraction(self) -> float:
+        """Fraction of all query heads each token uses, over the whole model."""
+        budgets = [moh_layer_budget(self, layer) for layer in range(self.num_hidden_layers)]
+        return sum(shared + k for shared, k in budgets) / (self.num_hidden_layers * self.num_attention_heads)
+
+
+def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """``hard`` in the forward pass, the gradient of ``soft`` in the backward pass (Eq. 10)."""
+    return hard + (soft - soft.detach())
+
+
+def load_balance_loss(routed_probs: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Eq. 7 over every token of the forward: sum_i P_i f_i, P_i the mean router probability of routed head i and
+    f_i the fraction of tokens that select it. ``routed_probs`` and ``selected`` are (..., R)."""
+    probs = routed_probs.reshape(-1, routed_probs.shape[-1])
+    fractions = selected.reshape(-1, selected.shape[-1]).to(probs.dtype)
+    return (probs.mean(0) * fractions.mean(0)).sum()
+
+
+class MohLlamaAttention(LlamaAttention):
+    """LLaMA attention with shared and routed heads; K/V projections as in LLaMA (MHA or GQA)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.num_heads = config.num_attention_heads
+        self.shared_heads, self.top_k = moh_layer_budget(config, layer_idx)
+        self.routed_heads = self.num_heads - self.shared_heads
+        self.router_kind = config.moh_router
+        self.two_stage = self.router_kind == "learned" and self.shared_heads > 0
+        self.router = None
+        if self.router_kind == "learned":
+            outputs = self.shared_heads + self.routed_heads + (2 if self.two_stage else 0)
+            self.router = nn.Linear(config.hidden_size, outputs, bias=False)
+        # Per forward, overwritten by the next one (see the module docstring).
+        self.balance_loss: Optional[torch.Tensor] = None
+        self.routing_stats: Optional[dict[str, torch.Tensor]] = None
+        self.sparse_decode = getattr(config, "moh_sparse_decode", True)
+
+    def route(self, hidden_states: torch.Tensor, query_states: torch.Tensor) -> torch.Tensor:
+        """Per-token head gates (B, T, H); sets ``balance_loss`` and ``routing_stats``."""
+        batch, length = hidden_states.shape[:2]
+        shared = self.shared_heads
+        if self.router_kind == "learned":
+            logits = self.router(hidden_states).float()
+            routed_probs = logits[..., shared:shared + self.routed_heads].softmax(-1)
+            selected = _top_k_mask(routed_probs, self.top_k)
+            routed_gates = routed_probs * selected
+            if shared:
+                shared_gates = logits[..., :shared].softmax(-1)
+                if self.two_stage:
+                    alpha = logits[..., shared + self.routed_heads:].softmax(-1)
+                    shared_gates = alpha[..., :1] * shared_gates
+                    routed_gates = alpha[..., 1:] * routed_gates
+                gates = torch.cat([shared_gates, routed_gates], dim=-1)
+            else:
+                gates = routed_gates
+        else:
+            ones = query_states.new_ones(batch, length, shared, dtype=torch.float32)
+            if self.routed_heads == 0:
+                self.balance_loss = None
+                self.routing_stats = {"load": ones.new_ones(self.num_heads)}
+                return ones
+            norms = query_states[:, shared:].float().norm(dim=-1).transpose(1, 2)  # (B, T, R)
+            routed_probs = norms.softmax(-1)
+            selected = _top_k_mask(norms, self.top_k)
+            gates = torch.cat([ones, straight_through(selected.float(), routed_probs)], dim=-1)
+        self.balance_loss = load_balance_loss(routed_probs, selected)
+        with torch.no_grad():
+            load = torch.cat([routed_probs.new_ones(shared),
+                              selected.reshape(-1, self.routed_heads).float().mean(0)])
+            entropy = -(routed_probs * routed_probs.clamp_min(1e-12).log()).sum(-1).mean()
+            self.routing_stats = {"load": load, "router_entropy": entropy,
+                                  "router_max_prob": routed_probs.max(-1).values.mean(),
+                                  "balance_loss": self.balance_loss.detach()}
+            if self.two_stage:
+                self.routing_stats["alpha_shared"] = alpha[..., 0].mean()
+        return gates
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        past_key_value: Optional[Cache] = None,
+        cache_position: Optional[torch.LongTensor] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        # RoPE rotates each query in planes, so the norm the query_norm router reads is the same before or after it.
+        gates = self.route(hidden_states, query_states)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_value is not None:
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, cache_kwargs)
+
+        attn_weights = None
+        if self.sparse_decode and not self.training and input_shape[1] == 1 and past_key_value is not None:
+            attn_output = self.active_heads_attention(query_states, key_states, value_states, gates, attention_mask)
+        else:
+            attention_interface: Callable = eager_attention_forward
+            if self.config._attn_implementation != "eager":
+                attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )  # (B, T, H, D)
+        attn_output = attn_output * gates.unsqueeze(-1).to(attn_output.dtype)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def active_heads_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               gates: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One new token's attention over the cache for the heads some sequence of the batch uses; the other heads'
+        outputs are 0 (their gates are 0 too). query (B, H, 1, D), key/value (B, H_kv, S, D) -> (B, 1, H, D).
+
+        Consecutive active heads with their own K/V run as one call on views of the cache (no copy); under GQA the
+        active query heads of one K/V head are stacked as query rows against that head's cache."""
+        batch, heads, _, dim = query.shape
+        length = key.shape[2]
+        mask = _decode_mask(attention_mask, batch, length)
+        output = query.new_zeros(batch, heads, 1, dim)
+        active = gates.reshape(batch, heads).ne(0).any(0).tolist()  # one host sync per layer and token
+        group = self.num_key_value_groups
+        if group == 1:
+            for start, stop in _runs(active):
+                output[:, start:stop] = F.scaled_dot_product_attention(
+                    query[:, start:stop], key[:, start:stop], value[:, start:stop], attn_mask=mask, scale=self.scaling)
+        else:
+            for kv_head in range(heads // group):
+                members = [h for h in range(kv_head * group, (kv_head + 1) * group) if active[h]]
+                if not members:
+                    continue
+                index = torch.tensor(members, device=query.device)
+                rows = query.index_select(1, index).transpose(1, 2)  # (B, 1, n, D): n query rows, one K/V head
+                out = F.scaled_dot_product_attention(rows, key[:, kv_head:kv_head + 1], value[:, kv_head:kv_head + 1],
+                                                     attn_mask=mask, scale=self.scaling)
+                output.index_copy_(1, index, out.transpose(1, 2))
+        return output.transpose(1, 2)
+
+
+def _top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k largest entries along the last dimension (exactly k per row)."""
+    index = scores.topk(k, dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
+
+
+def _runs(active: list[bool]) -> list[tuple[int, int]]:
+    """[start, stop) of every run of consecutive True entries."""
+    runs, start = [], None
+    for index, flag in enumerate(active + [False]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            runs.append((start, index))
+            start = None
+    return runs
+
+
+def _decode_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
+    """The padding mask of one query position over ``length`` cached positions, broadcastable over heads."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:  # flash-attention-2 passes the (B, S) padding mask
+        return attention_mask[:, None, None, :length].bool()
+    return attention_mask[:, :, -1:, :length]
+
+
+class MohLlamaDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: MohLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = MohLlamaAttention(config=config, layer_idx=layer_idx)
+
+
+class MohLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = MohLlamaConfig
+    _no_split_modules = ["MohLlamaDecoderLayer"]
+
+
+class MohLlamaModel(MohLlamaPreTrainedModel, LlamaModel):
+    def __init__(self, config: MohLlamaConfig):
+        # LlamaModel.__init__ would first build a full set of plain LLaMA layers; build the MoH ones directly.
+        LlamaPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [MohLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+
+class MohLlamaForCausalLM(MohLlamaPreTrainedModel, LlamaForCausalLM):
+    def __init__(self, config: MohLlamaConfig):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.model = MohLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        self.post_init()
+
+
+# save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
+MohLlamaConfig.register_for_auto_class()
+MohLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+def register_moh_auto_classes() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``moh_llama`` folders without ``trust_remote_code``."""
+    AutoConfig.register(MohLlamaConfig.model_type, MohLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MohLlamaConfig, MohLlamaForCausalLM, exist_ok=True)
+
