@@ -1,0 +1,232 @@
+"""MoH (seed 002): the attention, the MixtureOfHeads algorithm's load-balance loss under gradient accumulation and
+activation checkpointing, sparse decode, and export."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from composer.core import Callback, Event
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_recipe
+from dha_train.algorithms.mixture_of_heads import ROUTER_GROUP, MixtureOfHeads
+from dha_train.models import modeling_moh
+from dha_train.models.modeling_moh import (MohLlamaAttention, MohLlamaConfig, MohLlamaForCausalLM, load_balance_loss,
+                                           straight_through)
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+            max_position_embeddings=64)
+
+
+def tiny_llama(kv_heads: int = 8, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=kv_heads, attn_implementation='sdpa', **TINY)).eval()
+    # Larger query weights spread the query norms, so routing decisions are far from ties.
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.data.mul_(4.0)
+    return model
+
+
+def moh_copy(llama: LlamaForCausalLM, **settings) -> MohLlamaForCausalLM:
+    config = MohLlamaConfig(**{**llama.config.to_dict(), **settings})
+    config._attn_implementation = 'sdpa'
+    torch.manual_seed(1)  # the learned router's initial weights
+    model = MohLlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all('.router.' in name for name in missing)
+    return model.eval()
+
+
+def captured_gates(model: MohLlamaForCausalLM) -> list[list[torch.Tensor]]:
+    """Wrap every layer's ``route`` to keep the gates it returns."""
+    seen = [[] for _ in model.model.layers]
+    for index, layer in enumerate(model.model.layers):
+        route = layer.self_attn.route
+
+        def keep(hidden, query, route=route, index=index):
+            gates = route(hidden, query)
+            seen[index].append(gates.detach())
+            return gates
+        layer.self_attn.route = keep
+    return seen
+
+
+@pytest.mark.parametrize('kv_heads', [8, 2])
+def test_every_head_active_is_the_mha_model(kv_heads):
+    llama = tiny_llama(kv_heads)
+    tokens = torch.randint(0, TINY['vocab_size'], (2, 24))
+    reference = llama(tokens).logits
+    # query_norm with every routed head selected: all gates are exactly 1.
+    moh = moh_copy(llama, moh_router='query_norm', moh_shared_heads=4, moh_top_k=4)
+    assert (moh(tokens).logits - reference).abs().max() < 1e-5
+    # The same through the algorithm's surgery on the LLaMA model itself.
+    surgery = copy.deepcopy(llama)
+    MixtureOfHeads(router='query_norm', shared_heads=8, top_k=0).apply_surgery(surgery)
+    assert all(isinstance(layer.self_attn, MohLlamaAttention) for layer in surgery.model.layers)
+    assert (surgery(tokens).logits - reference).abs().max() < 1e-5
+
+
+def test_load_balance_loss_matches_the_closed_form_and_punishes_collapse():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    selected = torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
+    # Eq. 7 by hand: P = column means of probs, f = share of tokens selecting each head.
+    P = [0.75 / 3, 0.75 / 3, 0.75 / 3, 0.75 / 3]
+    f = [2 / 3, 1 / 3, 2 / 3, 1 / 3]
+    assert load_balance_loss(probs, selected).item() == pytest.approx(sum(p * q for p, q in zip(P, f)), abs=1e-7)
+
+    routed, k, tokens = 4, 2, 8
+    collapsed_probs = torch.tensor([1.0, 0, 0, 0]).repeat(tokens, 1)
+    collapsed = load_balance_loss(collapsed_probs, modeling_moh._top_k_mask(collapsed_probs, k))
+    balanced_probs = torch.full((tokens, routed), 1 / routed)
+    balanced_selected = torch.zeros(tokens, routed, dtype=torch.bool)
+    for token in range(tokens):  # every head selected by the same share of tokens, k / R
+        balanced_selected[token, [(token + i) % routed for i in range(k)]] = True
+    balanced = load_balance_loss(balanced_probs, balanced_selected)
+    assert balanced.item() == pytest.approx(k / routed, abs=1e-7)  # sum over R heads of (1/R)(k/R)
+    assert collapsed.item() == pytest.approx(1.0) and balanced < collapsed
+
+
+@pytest.mark.parametrize('router', ['learned', 'query_norm'])
+def test_exactly_the_budgeted_heads_are_active_per_token(router):
+    llama = tiny_llama(8)
+    # Per-layer budgets: layer 0 uses 2 shared + 2 routed (50%), layer 1 uses 4 + 2 (75%).
+    moh = moh_copy(llama, moh_router=router, moh_shared_heads=[2, 4], moh_top_k=[2, 2])
+    gates = captured_gates(moh)
+    moh(torch.randint(0, TINY['vocab_size'], (3, 20)))
+    for layer, expected in ((0, 4), (1, 6)):
+        active = gates[layer][0].ne(0).sum(-1)  # (B, T)
+        assert torch.equal(active, torch.full_like(active, expected))
+    assert moh.config.active_fraction() == pytest.approx((4 + 6) / 16)
+    assert [float(layer.self_attn.routing_stats['load'].mean()) for layer in moh.model.layers] == \
+        pytest.approx([4 / 8, 6 / 8])
+
+
+def test_query_norm_gates_are_zero_one_and_the_scores_still_get_gradients():
+    llama = tiny_llama(8)
+    moh = moh_copy(llama, moh_router='query_norm')  # defaults: 4 shared, top 2 routed
+    attn = moh.model.layers[0].self_attn
+    hidden = torch.randn(2, 10, TINY['hidden_size'])
+    query = attn.q_proj(hidden).view(2, 10, 8, 8).transpose(1, 2).detach().requires_grad_(True)
+    gates = attn.route(hidden, query)
+    assert set(gates.unique().tolist()) == {0.0, 1.0}
+    weights = torch.randn_like(gates)
+    (gates * weights).sum().backward()
+    # The hard 0/1 part has no gradient: what reaches the routed queries comes through the soft scores (Eq. 10).
+    assert query.grad[:, 4:].abs().sum() > 0 and query.grad[:, :4].abs().sum() == 0
+    soft = torch.randn(5, requires_grad=True)
+    hard = (soft > 0).float()
+    out = straight_through(hard, soft)
+    assert torch.equal(out, hard)
+    out.sum().backward()
+    assert torch.equal(soft.grad, torch.ones(5))
+
+
+@pytest.mark.parametrize('kv_heads,router', [(8, 'query_norm'), (8, 'learned'), (2, 'query_norm'), (2, 'learned')])
+def test_sparse_decode_computes_only_active_heads_and_equals_dense(kv_heads, router, monkeypatch):
+    moh = moh_copy(tiny_llama(kv_heads), moh_router=router)  # 4 shared + top 2 of 4 routed
+    prompt = torch.randint(0, TINY['vocab_size'], (1, 12))
+    settings = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    for layer in moh.model.layers:
+        layer.self_attn.sparse_decode = False
+    dense = moh.generate(prompt, **settings)
+    for layer in moh.model.layers:
+        layer.self_attn.sparse_decode = True
+    rows = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, **kwargs):
+        if query.shape[-2] == 1 or (kv_heads != 8 and key.shape[1] == 1):  # decode calls only
+            rows.append(query.shape[1] * query.shape[2])  # heads x query rows attended
+        return real_sdpa(query, key, value, **kwargs)
+    monkeypatch.setattr(modeling_moh.F, 'scaled_dot_product_attention', counting_sdpa)
+    sparse = moh.generate(prompt, **settings)
+    assert torch.equal(sparse.sequences, dense.sequences)
+    for a, b in zip(sparse.logits, dense.logits):
+        assert (a - b).abs().max() < 1e-4
+    decode_steps = settings['max_new_tokens'] - 1
+    assert sum(rows) == decode_steps * len(moh.model.layers) * 6  # 6 of 8 heads per layer and token
+
+
+class GradCapture(Callback):
+    """Keeps the model before the first batch, that batch, and the accumulated gradients before the step."""
+
+    def run_event(self, event, state, logger):
+        if event == Event.BEFORE_TRAIN_BATCH and not hasattr(self, 'model'):
+            self.model = copy.deepcopy(state.model.model)
+            self.batch = {k: v.clone() for k, v in state.batch.items()}
+        elif event == Event.AFTER_TRAIN_BATCH and not hasattr(self, 'grads'):
+            self.grads = {n: p.grad.clone() for n, p in state.model.model.named_parameters() if p.grad is not None}
+
+
+def test_balance_loss_is_the_microbatch_mean_once_per_forward_under_checkpointing(tmp_path, data_root,
+                                                                                  tokenizer_dir):
+    from dha_train.config import load_config
+    from dha_train.export import export_hf
+    from dha_train.train import close_trainer, train
+
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='1ba', global_train_batch_size=8,
+                         device_train_microbatch_size=4, save_folder=str(tmp_path / 'ckpt'), save_interval='1ba',
+                         algorithms={'mixture_of_heads': {'router': 'learned', 'shared_heads': 2, 'top_k': 1,
+                                                          'balance_weight': 0.5}},
+                         callbacks={'moh_monitor': {'plot_interval': 1, 'plot_dir': str(tmp_path / 'plots')}},
+                         loggers={'in_memory': {}})
+    recipe['model']['activation_checkpointing'] = True
+    capture = GradCapture()
+    trainer = train(load_config(recipe), extra_callbacks=[capture])
+    try:
+        moh = next(a for a in trainer.state.algorithms if isinstance(a, MixtureOfHeads))
+        assert ROUTER_GROUP in [g.get('name') for g in trainer.state.optimizers[0].param_groups]
+        logged = trainer.logger.destinations
+        memory = next(d for d in logged if type(d).__name__ == 'InMemoryLogger')
+        assert memory.data['moh/balance_loss'][-1][1] == pytest.approx(float(moh.routing['balance_loss']))
+        assert memory.data['moh/active_fraction'][-1][1] == pytest.approx(3 / 4)
+        assert (tmp_path / 'plots' / 'head_load_ba1.png').is_file()
+        in_framework = trainer.state.model.model.eval()
+        prompt = torch.randint(5, 300, (1, 10))
+        expected = in_framework.generate(prompt, max_new_tokens=10, do_sample=False)
+    finally:
+        close_trainer(trainer)
+
+    # Independently: each half of the batch forward once, Eq. 8 per micro-batch, the mean over the two halves.
+    model = capture.model.train()
+    values, total = [], 0.0
+    for half in range(2):
+        part = {k: v[half * 4:(half + 1) * 4] for k, v in capture.batch.items()}
+        loss = model(**part).loss
+        balance = sum(layer.self_attn.balance_loss for layer in model.model.layers)
+        values.append(float(balance))
+        total = total + (loss + 0.5 * balance) / 2
+    total.backward()
+    assert float(moh.routing['balance_loss']) == pytest.approx(sum(values) / 2, rel=1e-5)
+    for name, param in model.named_parameters():
+        assert torch.allclose(capture.grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+    assert any('router' in name and capture.grads[name].abs().sum() > 0 for name in capture.grads)
+
+    # The export loads with plain transformers (trust_remote_code, no dha_train import) and generates the same.
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    config = json.loads((out / 'config.json').read_text())
+    assert config['model_type'] == 'moh_llama' and config['moh_router'] == 'learned' and 'auto_map' in config
+    script = (f'import torch, transformers\n'
+              f'm = transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()\n'
+              f'print(m.generate(torch.tensor({prompt.tolist()}), max_new_tokens=10, do_sample=False).tolist())')
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={'HF_HUB_OFFLINE': '1', 'PATH': '/usr/bin:/bin'})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+def test_surgery_and_resume_refuse_settings_that_do_not_fit():
+    with pytest.raises(ValueError, match='top_k=5 must be in 1..4'):
+        MixtureOfHeads(shared_heads=4, top_k=5).apply_surgery(tiny_llama(8))
+    with pytest.raises(ValueError, match='router must be one of'):
+        MixtureOfHeads(router='norm')
+    with pytest.raises(ValueError, match='shared_heads has 3 entries for 2 layers'):
+        MixtureOfHeads(shared_heads=[4, 4, 4]).apply_surgery(tiny_llama(8))
+    algorithm = MixtureOfHeads(top_k=2)
+    with pytest.raises(ValueError, match='checkpoint was trained with'):
+        algorithm.load_state_dict({'router': 'query_norm', 'shared_heads': None, 'top_k': 1})
