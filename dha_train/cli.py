@@ -172,6 +172,15 @@ def _bench_conversion(args) -> int:
     return 0
 
 
+def _bench_moh(args) -> int:
+    from dha_train.bench.moh import run_moh_bench
+
+    run_moh_bench(sections=args.sections, seq_lens=args.seq_lens, heads=args.heads, head_dim=args.head_dim,
+                  layers=args.layers, calls=args.calls, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                  run=args.run, steps=args.steps, out=args.out, teacher=args.teacher)
+    return 0
+
+
 def _bench_search(args) -> int:
     from dha_train.bench.search import run_search_bench
 
@@ -260,6 +269,26 @@ def build_parser() -> argparse.ArgumentParser:
                                  'aligned: aligned GQA cos/dist x key/value; asym: AsymGQA (default: all)')
     _teacher_argument(conversion)
     conversion.set_defaults(func=_bench_conversion)
+    from dha_train.bench.moh import SECTIONS as MOH_SECTIONS
+
+    moh = bench.add_parser('moh', help='MoH: decode attention time and decode tokens/s at 90/75/50%% active heads '
+                           'against MHA; continue-tuning the quickstart teacher to 75%% active')
+    moh.add_argument('--sections', nargs='+', default=list(MOH_SECTIONS), choices=MOH_SECTIONS,
+                     help='attention: one decode step\'s attention; decode: greedy decode tokens/s; continue: '
+                          'yamls/moh/tiny/continue.yaml on the quickstart teacher (default: all)')
+    moh.add_argument('--seq-lens', dest='seq_lens', nargs='+', type=int, default=[256, 512, 2048])
+    moh.add_argument('--heads', type=int, default=32)
+    moh.add_argument('--head-dim', dest='head_dim', type=int, default=64)
+    moh.add_argument('--layers', type=int, default=2, help='layers of the decode model')
+    moh.add_argument('--calls', type=int, default=200, help='attention calls per timing round')
+    moh.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=16, help='tokens per decode round')
+    moh.add_argument('--repeats', type=int, default=7, help='interleaved timing rounds (median reported)')
+    moh.add_argument('--run', default='quickstart_run', help='quickstart run folder (finished stages reused)')
+    moh.add_argument('--steps', type=int, default=None, help='continue-tuning batches (default: the recipe\'s 120)')
+    moh.add_argument('--out', default=None, help='results folder (default: <run>/bench_moh with continue, else '
+                     'bench_moh)')
+    _teacher_argument(moh)
+    moh.set_defaults(func=_bench_moh)
     search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '
                                     '(synthetic activations), with the anchors\' full-rescore annealing as reference')
     search_bench.add_argument('--layers', type=int, default=32)

@@ -230,3 +230,20 @@ def test_surgery_and_resume_refuse_settings_that_do_not_fit():
     algorithm = MixtureOfHeads(top_k=2)
     with pytest.raises(ValueError, match='checkpoint was trained with'):
         algorithm.load_state_dict({'router': 'query_norm', 'shared_heads': None, 'top_k': 1})
+
+
+def test_bench_moh_times_every_budget_and_refuses_unknown_sections(tmp_path):
+    from dha_train.bench.conversion import run_conversion_bench
+    from dha_train.bench.moh import moh_budget, run_moh_bench
+
+    assert [moh_budget(32, f) for f in (0.9, 0.75, 0.5)] == [(16, 13), (16, 8), (8, 8)]
+    results = run_moh_bench(sections=['attention', 'decode'], seq_lens=[16], heads=8, head_dim=8, layers=1, calls=2,
+                            decode_tokens=2, repeats=1, out=tmp_path)
+    for section, measure in (('attention', 'ratio'), ('decode', 'speedup')):
+        row = results[section][0]
+        assert row['seq'] == 16 and all(row[f'{f}_{measure}'] > 0 for f in ('90%', '75%', '50%'))
+    assert json.loads((tmp_path / 'results.json').read_text())['decode'] == results['decode']
+    with pytest.raises(ValueError, match='sections must be among attention, decode, continue'):
+        run_moh_bench(sections=['speed'], out=tmp_path)
+    with pytest.raises(ValueError, match='sections must be among dha, aligned, asym'):
+        run_conversion_bench(run=tmp_path / 'never-made', sections=['moh'])
