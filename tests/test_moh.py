@@ -247,3 +247,43 @@ def test_bench_moh_times_every_budget_and_refuses_unknown_sections(tmp_path):
         run_moh_bench(sections=['speed'], out=tmp_path)
     with pytest.raises(ValueError, match='sections must be among dha, aligned, asym'):
         run_conversion_bench(run=tmp_path / 'never-made', sections=['moh'])
+
+
+def test_fsdp2_two_process_learned_router_trains_and_exports(tmp_path, data_root, tokenizer_dir):
+    import re
+
+    from conftest import run_composer, write_recipe
+    from dha_train.export import export_hf
+
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='16ba', global_train_batch_size=8,
+                         device_train_microbatch_size=2, fsdp={'enabled': True, 'state_dict_type': 'sharded'},
+                         save_interval='16ba', autoresume=True,
+                         algorithms={'mixture_of_heads': {'router': 'learned', 'shared_heads': 2, 'top_k': 1}},
+                         callbacks={'moh_monitor': {'per_head': True}})
+    recipe['model']['activation_checkpointing'] = True
+    log = tmp_path / 'log.txt'
+    done = run_composer(2, write_recipe(tmp_path / 'recipe.yaml', recipe), f'save_folder={tmp_path / "ckpt"}',
+                        port=29691, log=log)
+    text = log.read_text()
+    assert done.returncode == 0, text[-4000:]
+
+    def floats(key):
+        return [float(x) for x in re.findall(re.escape(key) + r': ([-+0-9.eEnaif]+)', text)]
+    losses, balance = floats('loss/train/total'), floats('moh/balance_loss')
+    assert len(balance) == 16 and all(0 < b <= 2 for b in balance)  # two layers, each sum_i P_i f_i in (0, 1]
+    assert floats('moh/active_fraction') == [0.75] * 16
+    assert floats('moh/layer1/head0/load') == [1.0] * 16  # a shared head: every token
+    assert losses[-1] < losses[0] - 0.5, (losses[0], losses[-1])
+
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(model).__name__ == 'MohLlamaForCausalLM' and model.config.moh_router == 'learned'
+    # The routers trained through FSDP2: they left their initial draw (seeded from the run seed, 7).
+    generator = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        router = layer.self_attn.router.weight
+        initial = torch.empty_like(router).normal_(0.0, model.config.initializer_range, generator=generator)
+        assert (router - initial).abs().max() > 1e-3
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
