@@ -187,6 +187,15 @@ def continue_bench(run: Path, work: Path, steps: int | None = None) -> dict:
             'balance_loss': float(moh.routing.get('balance_loss', float('nan')))}
 
 
+def _print_table(title: str, rows: list[dict], value: str, ratio: str) -> None:
+    """One row per sequence length: MHA's value, then each active fraction's value and ratio."""
+    print(f'\n{title}')
+    print(f'{"seq":>6} {"MHA":>9}' + ''.join(f' {f"{f:.0%} active":>20}' for f in ACTIVE_FRACTIONS))
+    for row in rows:
+        print(f'{row["seq"]:>6} {row[f"mha{value}"]:>9.1f}' + ''.join(
+            f' {row[f"{f:.0%}{value}"]:>11.1f} ({row[f"{f:.0%}{ratio}"]:.2f}x)' for f in ACTIVE_FRACTIONS))
+
+
 def run_moh_bench(sections: Sequence[str] = SECTIONS, seq_lens: Sequence[int] = (256, 512, 2048), heads: int = 32,
                   head_dim: int = 64, layers: int = 2, calls: int = 200, decode_tokens: int = 16, repeats: int = 7,
                   run: str | Path = 'quickstart_run', steps: int | None = None, out: str | Path | None = None,
@@ -209,21 +218,13 @@ def run_moh_bench(sections: Sequence[str] = SECTIONS, seq_lens: Sequence[int] = 
     if 'attention' in sections:
         results['attention'] = attention_bench(seq_lens, heads, head_dim, calls, repeats)
         save()
-        print(f'\nDecode attention, one token over the cache ({heads} heads x {head_dim}, batch 1, fp32; '
-              'median us per call, ratio to MHA):')
-        print(f'{"seq":>6} {"MHA":>9}' + ''.join(f' {f"{f:.0%} active":>20}' for f in ACTIVE_FRACTIONS))
-        for row in results['attention']:
-            print(f'{row["seq"]:>6} {row["mha_us"]:>9.1f}' + ''.join(
-                f' {row[f"{f:.0%}_us"]:>11.1f} ({row[f"{f:.0%}_ratio"]:.2f}x)' for f in ACTIVE_FRACTIONS))
+        _print_table(f'Decode attention, one token over the cache ({heads} heads x {head_dim}, batch 1, fp32; '
+                     'median us per call, ratio to MHA):', results['attention'], '_us', '_ratio')
     if 'decode' in sections:
         results['decode'] = decode_bench(seq_lens, heads, head_dim, layers, decode_tokens, repeats)
         save()
-        print(f'\nGreedy decode, {layers} layers of that geometry, after a prompt of seq tokens (tokens/s, speed-up '
-              'over MHA):')
-        print(f'{"seq":>6} {"MHA":>9}' + ''.join(f' {f"{f:.0%} active":>20}' for f in ACTIVE_FRACTIONS))
-        for row in results['decode']:
-            print(f'{row["seq"]:>6} {row["mha_tokens_per_s"]:>9.1f}' + ''.join(
-                f' {row[f"{f:.0%}_tokens_per_s"]:>11.1f} ({row[f"{f:.0%}_speedup"]:.2f}x)' for f in ACTIVE_FRACTIONS))
+        _print_table(f'Greedy decode, {layers} layers of that geometry, after a prompt of seq tokens (tokens/s, '
+                     'speed-up over MHA):', results['decode'], '_tokens_per_s', '_speedup')
     if 'continue' in sections:
         from dha_train.quickstart import run_quickstart
 
