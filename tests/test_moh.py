@@ -136,6 +136,10 @@ def test_sparse_decode_computes_only_active_heads_and_equals_dense(kv_heads, rou
     dense = moh.generate(prompt, **settings)
     for layer in moh.model.layers:
         layer.self_attn.sparse_decode = True
+    merged = moh.generate(prompt, **settings)  # short cache: runs of active heads merge across small gaps
+    assert torch.equal(merged.sequences, dense.sequences)
+    for layer in moh.model.layers:
+        layer.self_attn.decode_merge_elements = 0  # no merging: exactly the active heads
     rows = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -146,10 +150,18 @@ def test_sparse_decode_computes_only_active_heads_and_equals_dense(kv_heads, rou
     monkeypatch.setattr(modeling_moh.F, 'scaled_dot_product_attention', counting_sdpa)
     sparse = moh.generate(prompt, **settings)
     assert torch.equal(sparse.sequences, dense.sequences)
-    for a, b in zip(sparse.logits, dense.logits):
-        assert (a - b).abs().max() < 1e-4
+    for a, b, c in zip(sparse.logits, merged.logits, dense.logits):
+        assert (a - c).abs().max() < 1e-4 and (b - c).abs().max() < 1e-4
     decode_steps = settings['max_new_tokens'] - 1
     assert sum(rows) == decode_steps * len(moh.model.layers) * 6  # 6 of 8 heads per layer and token
+
+
+def test_active_head_runs_merge_across_small_gaps():
+    active = [True, True, False, True, False, False, False, True]
+    assert modeling_moh._runs(active) == [(0, 2), (3, 4), (7, 8)]
+    assert modeling_moh._runs(active, max_gap=1) == [(0, 4), (7, 8)]
+    assert modeling_moh._runs(active, max_gap=3) == [(0, 8)]
+    assert modeling_moh._runs([False, False]) == []
 
 
 class GradCapture(Callback):

@@ -131,6 +131,10 @@ class MohLlamaAttention(LlamaAttention):
         self.balance_loss: Optional[torch.Tensor] = None
         self.routing_stats: Optional[dict[str, torch.Tensor]] = None
         self.sparse_decode = getattr(config, "moh_sparse_decode", True)
+        # Runs of active heads separated by a gap of inactive ones are merged into one attention call when the gap
+        # costs fewer than this many cache elements (gap x cached positions x head_dim): at short contexts a call
+        # costs more than a few heads' work. The merged inactive heads are computed, then zeroed by their gates.
+        self.decode_merge_elements = getattr(config, "moh_decode_merge_elements", 1 << 16)
 
     def route(self, hidden_states: torch.Tensor, query_states: torch.Tensor) -> torch.Tensor:
         """Per-token head gates (B, T, H); sets ``balance_loss`` and ``routing_stats``."""
@@ -232,7 +236,7 @@ class MohLlamaAttention(LlamaAttention):
         active = gates.reshape(batch, heads).ne(0).any(0).tolist()  # one host sync per layer and token
         group = self.num_key_value_groups
         if group == 1:
-            for start, stop in _runs(active):
+            for start, stop in _runs(active, max_gap=self.decode_merge_elements // (length * dim)):
                 output[:, start:stop] = F.scaled_dot_product_attention(
                     query[:, start:stop], key[:, start:stop], value[:, start:stop], attn_mask=mask, scale=self.scaling)
         else:
@@ -254,8 +258,9 @@ def _top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
 
 
-def _runs(active: list[bool]) -> list[tuple[int, int]]:
-    """[start, stop) of every run of consecutive True entries."""
+def _runs(active: list[bool], max_gap: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) of every run of consecutive True entries, runs apart by at most ``max_gap`` False entries
+    merged into one."""
     runs, start = [], None
     for index, flag in enumerate(active + [False]):
         if flag and start is None:
@@ -263,7 +268,13 @@ def _runs(active: list[bool]) -> list[tuple[int, int]]:
         elif not flag and start is not None:
             runs.append((start, index))
             start = None
-    return runs
+    merged = runs[:1]
+    for start, stop in runs[1:]:
+        if start - merged[-1][1] <= max_gap:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return merged
 
 
 def _decode_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
