@@ -14,6 +14,10 @@ MODEL=$1; DATA=$2; SAVE=$3
 NPROC=${4:-8}
 RECIPE=${5:-yamls/moh/llama3-8b-continue.yaml}
 shift $(( $# < 5 ? $# : 5 ))
+die() { echo "$0: $*" >&2; exit 2; }
+[[ -f "$MODEL/config.json" ]] || die "$MODEL is not a HF model folder (no config.json)"
+[[ -f "$RECIPE" ]] || die "recipe $RECIPE not found"
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "nproc must be a positive integer, got $NPROC"
 NAME=${MOH_NAME:-$(basename "$MODEL")-moh}
 ${COMPOSER:-composer} -n "$NPROC" -m dha_train.train "$RECIPE" \
   variables.model_path="$MODEL" variables.data_root="$DATA" variables.save_root="$SAVE" run_name="$NAME" "$@"

@@ -13,7 +13,7 @@ from dha_train.config import ConfigError, load_config
 
 RECIPES = sorted((REPO / 'yamls').rglob('*.yaml'))
 PLACEHOLDERS = ['variables.model_path=/m', 'variables.data_root=/d', 'variables.save_root=/s',
-                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t']
+                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t', 'variables.tokenizer=/k']
 
 
 @pytest.mark.parametrize('recipe', RECIPES, ids=lambda p: str(p.relative_to(REPO)))
@@ -117,5 +117,19 @@ def test_chain_launchers_refuse_bad_arguments_before_running_anything(tmp_path, 
     (tmp_path / 'm' / 'config.json').write_text('{}')
     env = {**os.environ, 'COMPOSER': 'false', 'DHA_TRAIN': 'false'}  # any stage that did start would fail
     done = subprocess.run(['bash', f'launch/{script}', str(tmp_path / model), recipes, 'd', 's', last], env=env,
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize('model,nproc,recipe,message', [
+    ('x', '2', 'yamls/moh/tiny/continue.yaml', 'not a HF model folder'),
+    ('m', '2', 'yamls/moh/tiny/none.yaml', 'not found'),
+    ('m', 'two', 'yamls/moh/tiny/continue.yaml', 'nproc must be a positive integer'),
+])
+def test_moh_launcher_refuses_bad_arguments_before_running_anything(tmp_path, model, nproc, recipe, message):
+    (tmp_path / 'm').mkdir()
+    (tmp_path / 'm' / 'config.json').write_text('{}')
+    env = {**os.environ, 'COMPOSER': 'false', 'DHA_TRAIN': 'false'}
+    done = subprocess.run(['bash', 'launch/moh.sh', str(tmp_path / model), 'd', 's', nproc, recipe], env=env,
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr, done.stderr
