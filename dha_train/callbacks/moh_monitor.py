@@ -37,6 +37,7 @@ class MohMonitor(Callback):
         self.interval, self.per_head = interval, per_head
         self.plot_interval, self.plot_dir = plot_interval, plot_dir
         self._moh: Optional[MixtureOfHeads] = None
+        self._plotted_batch: Optional[int] = None
         self.plots: list[Path] = []
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -74,13 +75,14 @@ class MohMonitor(Callback):
             self.plot(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if self.plot_interval and self._moh is not None and self._moh.routing:
+        done = self._plotted_batch == int(state.timestamp.batch)
+        if self.plot_interval and self._moh is not None and self._moh.routing and not done:
             self.plot(state, logger)
 
     def plot(self, state: State, logger: Logger) -> None:
         from dha_train.plots import _pyplot, plot_head_load
 
-        batch = int(state.timestamp.batch)
+        batch = self._plotted_batch = int(state.timestamp.batch)
         if dist.get_global_rank() != 0:
             return
         title = f'MoH head load, batch {batch} ({float(self._moh.routing["load"].mean()):.0%} of heads active)'
