@@ -7,7 +7,7 @@
 #    fitness, 50 fitness calls per layer) -> <save_root>/<name>-search/head_map.json, K and V sharing one map whose
 #    groups may differ in size;
 # 2. launch/gqa_baseline.sh with HEAD_MAP set: mean-pool to that map (the DHA model class serves unequal groups),
-#    then CT with the recipe (default yamls/gqa/llama2_7b_ct.yaml), <name> = <model folder name>-asym<kv_heads>.
+#    then CT with the recipe (default yamls/asym_gqa/llama2-7b/ct.yaml), <name> = <model folder name>-asym<kv_heads>.
 # Export afterwards: dha-train export <save_root>/<name>-ct <save_root>/<name>-ct/hf (trust_remote_code=True).
 # Re-running resumes: the search and the conversion are skipped when their outputs exist, and CT autoresumes.
 set -euo pipefail
@@ -21,5 +21,8 @@ read -r -a SEARCH <<< "${SEARCH_ARGS:---tokens 16384 --fitness loss --iterations
 if [[ ! -f "$SAVE/$NAME-search/head_map.json" ]]; then
   ${DHA_TRAIN:-dha-train} search "$MODEL" "$SAVE/$NAME-search" --method asym --kv-heads "$KV_HEADS" --data "$DATA" \
     "${SEARCH[@]}" --overwrite
+fi
+if [[ $# -lt 6 ]]; then  # the AsymGQA CT recipe unless one is given
+  set -- "$1" "$2" "$3" "$4" "${5:-8}" yamls/asym_gqa/llama2-7b/ct.yaml
 fi
 HEAD_MAP="$SAVE/$NAME-search/head_map.json" GQA_NAME="$NAME" exec "$(dirname "$0")/gqa_baseline.sh" "$@"

@@ -65,7 +65,7 @@ def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_r
     save_root = tmp_path / 'runs'
     done = subprocess.run(
         ['bash', 'launch/asym_gqa.sh', str(tmp_path / 'mha'), '2', str(data_root), str(save_root), '2',
-         'yamls/gqa/tiny_ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
+         'yamls/asym_gqa/tiny/ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
