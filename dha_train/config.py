@@ -83,6 +83,11 @@ class EvalLoaderConfig:
     subset_num_batches: int = -1
 
 
+# Composer's DecoupledAdamW decays by weight_decay (times the lr schedule's factor) per step: 1e-3 already halves an
+# unused weight in 700 steps. Larger values are almost always AdamW values (scaled by the lr there) copied over.
+MAX_DECOUPLED_WEIGHT_DECAY = 1.0e-3
+
+
 @dataclass
 class OptimizerConfig:
     name: str = 'decoupled_adamw'
@@ -285,6 +290,13 @@ def _check_values(config: TrainConfig) -> None:
             'flash_attention_2')
     if config.fsdp is not None and config.fsdp.state_dict_type not in ('sharded', 'full'):
         raise ConfigError(f"fsdp.state_dict_type: '{config.fsdp.state_dict_type}' is not 'sharded' or 'full'")
+    if not 0.0 <= config.optimizer.weight_decay <= MAX_DECOUPLED_WEIGHT_DECAY:
+        # Papers quote torch AdamW's weight decay, which AdamW scales by the lr; Composer's DecoupledAdamW does not.
+        wd, lr = config.optimizer.weight_decay, config.optimizer.lr
+        raise ConfigError(
+            f'optimizer.weight_decay={wd}: decoupled_adamw shrinks every weight by weight_decay x (lr / peak lr) '
+            f'each step ({wd:.0%} per step at the peak here), so it must be in [0, {MAX_DECOUPLED_WEIGHT_DECAY}]. '
+            f'For torch AdamW\'s weight decay {wd} at lr {lr:g}, use {wd * lr:g}')
 
 
 def config_to_dict(config: TrainConfig) -> dict:

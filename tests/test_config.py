@@ -32,6 +32,10 @@ def test_valid_recipe_resolves_variables_and_overrides(recipe, tmp_path):
     (lambda r: r.pop('max_duration'), 'max_duration: missing required value'),
     (lambda r: r.update(max_duration='5 bananas'), "max_duration: '5 bananas' is not a Composer time string"),
     (lambda r: r.update(autoresume=True), 'autoresume needs both save_folder and run_name'),
+    (lambda r: r['optimizer'].update(lr=2e-5, weight_decay=0.1),
+     "optimizer.weight_decay=0.1: decoupled_adamw shrinks every weight by weight_decay x (lr / peak lr) each step "
+     "(10% per step at the peak here), so it must be in [0, 0.001]. For torch AdamW's weight decay 0.1 at lr 2e-05, "
+     "use 2e-06"),
     (lambda r: r.update(callbacks={'speed_monitor': {'window': 3}}), None),
 ])
 def test_bad_config_is_named(recipe, mutate, message):
