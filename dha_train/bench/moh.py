@@ -12,7 +12,8 @@ Sections (``sections``):
   ``decode_tokens`` tokens per round, median over ``repeats`` interleaved rounds. Projections and MLPs cost the same
   in both, so the end-to-end gain is smaller than the attention gain and grows with the context.
 - ``continue``: ``yamls/moh/tiny/continue.yaml`` on the quickstart teacher (75% active, query-norm router): the
-  validation loss right after the surgery (its first evaluation) and after training, against the MHA teacher's.
+  validation loss right after the surgery (its first evaluation) and after training, against the MHA teacher's,
+  and against the teacher trained on as many tokens with the tiny CT recipe (more training alone also helps it).
   Runs the quickstart first (reusing its finished stages).
 
 Prints tables and writes results.json in ``out`` (default ``bench_moh``, or ``<run>/bench_moh`` with ``continue``).
@@ -166,8 +167,8 @@ def decode_bench(seq_lens: Sequence[int], heads: int, head_dim: int, layers: int
 def continue_bench(run: Path, work: Path, steps: int | None = None) -> dict:
     import shutil
 
-    from dha_train.bench.conversion import _validation_loss
-    from dha_train.quickstart import mean_eval, train_stage, train_tokens
+    from dha_train.bench.conversion import _gqa_ct, _validation_loss
+    from dha_train.quickstart import SEQ_LEN, mean_eval, train_stage, train_tokens
 
     teacher = run / 'export' / 'hf'
     mha_loss = _validation_loss(run, teacher)
@@ -181,8 +182,12 @@ def continue_bench(run: Path, work: Path, steps: int | None = None) -> dict:
         raise RuntimeError('bench moh: the continue-tuning run logged no evaluation')
     moh = next(a for a in trainer.state.algorithms if type(a).__name__ == 'MixtureOfHeads')
     after = mean_eval(history, -1)['mean']
+    # Control: the MHA teacher trained on as many tokens (the tiny CT recipe), since more training alone helps it.
+    batches = train_tokens(config) // (config.global_train_batch_size * SEQ_LEN)
+    mha_trained = _gqa_ct(run, work, str(teacher), 'bench-mha-ct', batches, batches)['final']
     return {'mha': mha_loss, 'after_surgery': mean_eval(history, 0)['mean'], 'after_training': after,
-            'relative_gap': (after - mha_loss) / mha_loss, 'tokens': train_tokens(config),
+            'relative_gap': (after - mha_loss) / mha_loss, 'mha_after_same_tokens': mha_trained,
+            'tokens': train_tokens(config),
             'active_fraction': float(moh.routing['load'].mean()),
             'balance_loss': float(moh.routing.get('balance_loss', float('nan')))}
 
@@ -235,6 +240,7 @@ def run_moh_bench(sections: Sequence[str] = SECTIONS, seq_lens: Sequence[int] = 
         print(f'\nContinue-tuning the quickstart teacher to MoH ({c["active_fraction"]:.0%} of heads active, '
               f'{c["tokens"]:,} tokens): validation loss MHA {c["mha"]:.4f}, MoH right after surgery '
               f'{c["after_surgery"]:.4f}, after training {c["after_training"]:.4f} '
-              f'({c["relative_gap"]:+.1%} against MHA)')
+              f'({c["relative_gap"]:+.1%} against MHA); the MHA teacher trained on as many tokens: '
+              f'{c["mha_after_same_tokens"]:.4f}')
     print(f'\nresults: {out / "results.json"}')
     return results
