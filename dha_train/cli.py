@@ -156,6 +156,31 @@ def add_search_arguments(search: argparse.ArgumentParser) -> None:
     search.set_defaults(func=_search)
 
 
+def _eval(args) -> int:
+    from dha_train.evaluation import run_eval
+
+    tasks = [t for t in args.tasks.split(',') if t] if args.tasks else None
+    run_eval(args.model, suite=args.suite, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+             include=args.include, out=args.out, batch_size=args.batch_size, device=args.device, name=args.name,
+             wandb_project=args.wandb_project, wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir)
+    return 0
+
+
+def _local_task(args) -> int:
+    from dha_train.evaluation import build_local_task
+
+    out = build_local_task(args.corpus, args.out, examples=args.examples, seed=args.seed)
+    print(f'dha-train local-task: wrote {out} (use it with: dha-train eval <model> --suite local --include {out})')
+    return 0
+
+
+def _compare(args) -> int:
+    from dha_train.evaluation import compare
+
+    compare(args.runs, out=args.out)
+    return 0
+
+
 def _bench_throughput(args) -> int:
     from dha_train.bench.throughput import run_throughput_bench
 
@@ -225,6 +250,43 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     export.add_argument('--overwrite', action='store_true')
     export.set_defaults(func=_export)
+
+    from dha_train.evaluation import SUITES
+
+    evaluate = commands.add_parser('eval', help='lm-evaluation-harness on an HF folder or a checkpoint (any model '
+                                   'the project exports)')
+    evaluate.add_argument('model', help='HF folder, Composer checkpoint, or save_folder (its latest checkpoint)')
+    evaluate.add_argument('--suite', default=None, choices=sorted(SUITES),
+                          help='a preset task list with each paper\'s shot counts')
+    evaluate.add_argument('--tasks', default=None, help='comma-separated lm-eval task names (instead of --suite)')
+    evaluate.add_argument('--num-fewshot', dest='num_fewshot', type=int, default=None,
+                          help='one shot count for every task (default: the suite\'s, or 0)')
+    evaluate.add_argument('--limit', type=float, default=None, help='examples per task (a fraction if < 1)')
+    evaluate.add_argument('--include', nargs='+', default=[], metavar='DIR',
+                          help='folders of extra lm-eval task YAMLs (the local task; standard tasks pointed at '
+                               'local data copies)')
+    evaluate.add_argument('--out', default=None, help='results folder (default: <model>/eval)')
+    evaluate.add_argument('--name', default=None, help='run name in tables and W&B (default: the folder name)')
+    evaluate.add_argument('--batch-size', dest='batch_size', type=int, default=8)
+    evaluate.add_argument('--device', default='cpu', help='cpu, cuda, cuda:1, ...')
+    evaluate.add_argument('--wandb-project', dest='wandb_project', default=None, help='log the scores to W&B')
+    evaluate.add_argument('--wandb-mode', dest='wandb_mode', default='offline', choices=['online', 'offline'])
+    evaluate.add_argument('--wandb-dir', dest='wandb_dir', default=None)
+    evaluate.set_defaults(func=_eval)
+
+    local = commands.add_parser('local-task', help='build the offline multiple-choice lm-eval task from a corpus '
+                                'folder (the quickstart\'s corpus/)')
+    local.add_argument('corpus', help='folder with wikipedia/*.jsonl (e.g. quickstart_run/corpus)')
+    local.add_argument('out', help='folder for the task YAML and its JSONL files')
+    local.add_argument('--examples', type=int, default=200)
+    local.add_argument('--seed', type=int, default=0)
+    local.set_defaults(func=_local_task)
+
+    comparison = commands.add_parser('compare', help='evaluated runs side by side: a table and one plot')
+    comparison.add_argument('runs', nargs='+', help='folders evaluated by `dha-train eval` (or their '
+                            'eval_results.json)')
+    comparison.add_argument('--out', default=None, help='folder for compare.json and compare.png (default: compare)')
+    comparison.set_defaults(func=_compare)
 
     search = commands.add_parser('search', help='a head map (neighbour, similarity or AsymGQA search) and analysis '
                                  'plots from an MHA folder plus calibration data')
@@ -315,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     from dha_train.export import CheckpointError
     from dha_train.calibration import CalibrationError
     from dha_train.models.head_map import HeadMapError
+    from dha_train.evaluation import EvalError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, DataPrepError, HeadMapError, CalibrationError, FileExistsError,
+    except (ConfigError, CheckpointError, DataPrepError, HeadMapError, CalibrationError, EvalError, FileExistsError,
             FileNotFoundError) as exc:
         print(f'dha-train: error: {exc}', file=sys.stderr)
         return 2

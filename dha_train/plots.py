@@ -144,3 +144,30 @@ def plot_head_load(load, out: str | Path, title: str = '') -> Path:
     ax.set_title(title)
     fig.tight_layout()
     return _save(fig, out)
+
+
+def plot_comparison(rows: list[dict], tasks: list[str], out: str | Path) -> Path:
+    """Runs side by side (`dha-train compare`): task scores as grouped bars, then KV-cache bytes, validation loss
+    and training tokens per run, one panel each."""
+    import numpy as np
+
+    plt = _pyplot()
+    names = [row['name'] for row in rows]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4), dpi=110, gridspec_kw={'width_ratios': [3, 1, 1, 1]})
+    width = 0.8 / max(len(rows), 1)
+    positions = np.arange(len(tasks))
+    for index, row in enumerate(rows):
+        values = [row['scores'][t] if row['scores'][t] is not None else np.nan for t in tasks]
+        axes[0].bar(positions + index * width, values, width=width, label=row['name'])
+    axes[0].set_xticks(positions + width * (len(rows) - 1) / 2, tasks, rotation=30, ha='right')
+    axes[0].set_ylabel('score')
+    axes[0].set_title('tasks')
+    axes[0].legend(fontsize=8)
+    for ax, key, title in ((axes[1], 'kv_cache_bytes_per_4096_tokens', 'KV bytes / 4096 tokens'),
+                           (axes[2], 'val_loss', 'validation loss'), (axes[3], 'train_tokens', 'training tokens')):
+        values = [row[key] if row[key] is not None else np.nan for row in rows]
+        ax.bar(range(len(rows)), values, color=[f'C{i}' for i in range(len(rows))])
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha='right', fontsize=8)
+        ax.set_title(title)
+    fig.tight_layout()
+    return _save(fig, out)

@@ -74,6 +74,13 @@ def _corpus(out: Path, seed: int) -> dict:
     return build_stdlib_corpus(out, max_bytes_per_domain=CORPUS_BYTES_PER_DOMAIN, seed=seed)
 
 
+def _eval_task(out: Path, corpus: Path, seed: int) -> dict:
+    from dha_train.evaluation import build_local_task
+
+    # The offline lm-eval task: `dha-train eval <model> --suite local --include <run>/eval_task`.
+    return {'folder': str(build_local_task(corpus, out, seed=seed))}
+
+
 def _tokenizer(out: Path, corpus: Path) -> dict:
     from dha_train.data.corpus import iter_corpus_texts
     from dha_train.data.tokenizer import train_byte_level_bpe
@@ -355,6 +362,7 @@ def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bo
     (run / 'quickstart.json').write_text(json.dumps(settings))
 
     corpus = _run_stage(run, 'corpus', lambda d: _corpus(d, seed))
+    eval_task = _run_stage(run, 'eval_task', lambda d: _eval_task(d, run / 'corpus', seed))
     tokenizer = _run_stage(run, 'tokenizer', lambda d: _tokenizer(d, run / 'corpus'))
     data = _run_stage(run, 'data', lambda d: _data(d, run / 'corpus', run / 'tokenizer'))
     pretrain = _run_stage(run, 'pretrain', lambda d: _pretrain(d, run, seed, steps, teacher))
@@ -369,7 +377,7 @@ def run_quickstart(out: str | Path = 'quickstart_run', seed: int = 17, fresh: bo
         f'variables.model_path={gqa["hf_folder"]}', f'variables.data_root={run / "data"}',
         f'variables.save_root={run / "conversions"}', f'max_duration={dha_ct["tokens"] // (16 * SEQ_LEN)}ba'], None))
     history = json.loads(Path(pretrain['history']).read_text())
-    stages = (('corpus', corpus), ('tokenizer', tokenizer), ('data', data), ('pretrain', pretrain), ('export', export),
+    stages = (('corpus', corpus), ('eval_task', eval_task), ('tokenizer', tokenizer), ('data', data), ('pretrain', pretrain), ('export', export),
               ('dha_search', search), ('dha_fusion', fusion), ('dha_ct', dha_ct), ('gqa_convert', gqa),
               ('gqa_ct', gqa_ct))
     timings = {name: stage['seconds'] for name, stage in stages}

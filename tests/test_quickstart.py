@@ -54,8 +54,8 @@ def test_quickstart_short_run_then_reuse(tmp_path):
 
     second = _quickstart(out, '--steps', '12', '--conversion-steps', '4')
     assert second.returncode == 0, second.stderr[-3000:]
-    for stage in ('corpus', 'tokenizer', 'data', 'pretrain', 'export', 'dha_search', 'dha_fusion', 'dha_ct',
-                  'gqa_convert', 'gqa_ct'):
+    for stage in ('corpus', 'eval_task', 'tokenizer', 'data', 'pretrain', 'export', 'dha_search', 'dha_fusion',
+                  'dha_ct', 'gqa_convert', 'gqa_ct'):
         assert f'{stage}: reusing finished stage' in second.stdout
     assert json.loads((out / 'summary.json').read_text())['per_domain_val_loss'] == rows
 
