@@ -128,7 +128,7 @@ metadata:
 def resolve_tasks(suite: str | None, tasks: Sequence[str] | None, num_fewshot: int | None) -> dict[str, int]:
     """task -> few-shot count from a suite or a task list; ``num_fewshot`` overrides every count."""
     if (suite is None) == (not tasks):
-        raise EvalError('give exactly one of --suite and --tasks')
+        raise EvalError('give exactly one of a suite (--suite) and a task list (--tasks)')
     if suite is not None:
         if suite not in SUITES:
             raise EvalError(f"unknown suite '{suite}' (suites: {', '.join(SUITES)})")
@@ -198,20 +198,11 @@ def task_manager(include: tuple[str, ...], tasks: tuple[str, ...]):
     return TaskManager(include_path=list(include) or None)
 
 
-def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[str] | None = None,
-             num_fewshot: int | None = None, limit: float | None = None, include: Sequence[str | Path] = (),
-             out: str | Path | None = None, batch_size: int = 8, device: str = 'cpu', name: str | None = None,
-             wandb_project: str | None = None, wandb_mode: str = 'offline', wandb_dir: str | None = None,
-             val_loss: float | None = None, seed: int = 1234) -> dict:
-    chosen = resolve_tasks(suite, tasks, num_fewshot)
-    if limit is not None and limit <= 0:
-        raise EvalError(f'--limit must be > 0, got {limit}')
+def check_tasks(chosen: dict[str, int], include: Sequence[str | Path] = ()) -> None:
+    """Every task must be known to lm-eval (or to an ``include`` folder)."""
     for folder in include:
         if not Path(folder).is_dir():
             raise EvalError(f'--include {folder}: not a folder of lm-eval task YAMLs')
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-
     manager = task_manager(tuple(str(Path(folder).resolve()) for folder in include), tuple(chosen))
     missing = [task for task in chosen if task not in manager.all_tasks]
     if missing:
@@ -219,7 +210,16 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
                 '--include <folder>)' if LOCAL_TASK in missing else '')
         raise EvalError(f"unknown lm-eval task(s): {', '.join(missing)}{hint}")
 
-    model, tokenizer, hf_folder = load_model(model_path, device)
+
+def score_model(model, tokenizer, chosen: dict[str, int], limit: float | None = None,
+                include: Sequence[str | Path] = (), batch_size: int = 8, device: str = 'cpu',
+                seed: int = 1234) -> dict[str, dict[str, float]]:
+    """lm-eval scores {task: {metric: value, 'num_fewshot': n}} of a loaded HF model, one ``simple_evaluate``
+    per few-shot count."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    manager = task_manager(tuple(str(Path(folder).resolve()) for folder in include), tuple(chosen))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
               max_length=model.config.max_position_embeddings)
     scores: dict[str, dict[str, float]] = {}
@@ -235,6 +235,21 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
                             if isinstance(value, (int, float)) and not key.startswith('alias')
                             and 'stderr' not in key}
             scores[task]['num_fewshot'] = shots
+    return scores
+
+
+def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[str] | None = None,
+             num_fewshot: int | None = None, limit: float | None = None, include: Sequence[str | Path] = (),
+             out: str | Path | None = None, batch_size: int = 8, device: str = 'cpu', name: str | None = None,
+             wandb_project: str | None = None, wandb_mode: str = 'offline', wandb_dir: str | None = None,
+             val_loss: float | None = None, seed: int = 1234) -> dict:
+    chosen = resolve_tasks(suite, tasks, num_fewshot)
+    if limit is not None and limit <= 0:
+        raise EvalError(f'--limit must be > 0, got {limit}')
+    check_tasks(chosen, include)
+    model, tokenizer, hf_folder = load_model(model_path, device)
+    scores = score_model(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
+                         device=device, seed=seed)
     source = Path(model_path)
     result = {'model': str(source.resolve()), 'name': name or source.name, 'suite': suite, 'limit': limit,
               'scores': scores, 'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),

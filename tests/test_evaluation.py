@@ -127,7 +127,7 @@ def test_compare_tables_three_runs_and_writes_the_plot(evaluated, tmp_path, caps
 
 
 def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
-    with pytest.raises(EvalError, match='exactly one of --suite and --tasks'):
+    with pytest.raises(EvalError, match='exactly one of a suite'):
         resolve_tasks(None, None, None)
     with pytest.raises(EvalError, match="unknown suite 'dhaa'"):
         resolve_tasks('dhaa', None, None)
@@ -140,3 +140,28 @@ def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
         run_eval(tmp_path / 'nowhere', suite='local', include=[local_task])
     with pytest.raises(EvalError, match='no eval_results.json'):
         compare([tmp_path, tmp_path])
+
+
+def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_root, tokenizer_dir, tmp_path):
+    """The end-of-stage callback evaluates the trained model and logs lm_eval/<task>/<metric>; per-domain
+    validation loss at eval_interval comes from the stage's evaluators as in every recipe."""
+    from conftest import tiny_recipe
+    from dha_train.config import load_config
+    from dha_train.train import close_trainer, train
+
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='2ba', loggers={'in_memory': {}},
+                         eval_loader={'root': str(data_root)}, eval_interval='2ba',
+                         callbacks={'lm_eval_at_end': {'suite': 'local', 'include': [str(local_task)], 'limit': 8}})
+    trainer = train(load_config(recipe))
+    try:
+        memory = next(d for d in trainer.logger.destinations if type(d).__name__ == 'InMemoryLogger')
+        callback = next(c for c in trainer.state.callbacks if type(c).__name__ == 'LmEvalAtEnd')
+        accuracy = memory.data[f'lm_eval/{LOCAL_TASK}/acc'][-1][1]
+        assert accuracy == callback.scores[LOCAL_TASK]['acc'] and 0.0 <= accuracy <= 1.0
+        assert all(f'metrics/eval_{domain}/LanguageCrossEntropy' in memory.data for domain in ('github', 'wikipedia'))
+    finally:
+        close_trainer(trainer)
+    from dha_train import registry
+
+    with pytest.raises(EvalError, match='exactly one of a suite'):
+        registry.callbacks.build('lm_eval_at_end', {})  # refused when the trainer is built, before training
