@@ -162,7 +162,8 @@ def _eval(args) -> int:
     tasks = [t for t in args.tasks.split(',') if t] if args.tasks else None
     run_eval(args.model, suite=args.suite, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
              include=args.include, out=args.out, batch_size=args.batch_size, device=args.device, name=args.name,
-             wandb_project=args.wandb_project, wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir)
+             wandb_project=args.wandb_project, wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir, data=args.data,
+             train_tokens=args.train_tokens)
     return 0
 
 
@@ -265,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument('--include', nargs='+', default=[], metavar='DIR',
                           help='folders of extra lm-eval task YAMLs (the local task; standard tasks pointed at '
                                'local data copies)')
+    evaluate.add_argument('--data', default=None, help='also the validation loss per domain on this `dha-train data '
+                          'prep` folder (its val split)')
+    evaluate.add_argument('--train-tokens', dest='train_tokens', type=int, default=None,
+                          help='training tokens to record for `compare` (default: from the stage folder if known)')
     evaluate.add_argument('--out', default=None, help='results folder (default: <model>/eval)')
     evaluate.add_argument('--name', default=None, help='run name in tables and W&B (default: the folder name)')
     evaluate.add_argument('--batch-size', dest='batch_size', type=int, default=8)

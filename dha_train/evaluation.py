@@ -238,27 +238,62 @@ def score_model(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     return scores
 
 
+def validation_loss(model, tokenizer, data_root: str | Path, batch_size: int = 8,
+                    device: str = 'cpu') -> dict[str, float]:
+    """Per-domain validation cross-entropy of a loaded HF model on a `dha-train data prep` folder (its val split),
+    through the same Composer evaluators as training, plus their mean."""
+    from composer import Trainer
+
+    from dha_train.config import EvalLoaderConfig
+    from dha_train.data.loaders import build_evaluators, check_data_matches_model
+    from dha_train.models.llama import wrap_composer
+    from dha_train.train import close_trainer
+
+    check_data_matches_model(str(data_root), vocab_size=model.config.vocab_size,
+                             max_seq_len=model.config.max_position_embeddings, where='--data', tokenizer=tokenizer)
+    evaluators = build_evaluators(EvalLoaderConfig(root=str(data_root)), device_batch_size=batch_size,
+                                  metric_names=['LanguageCrossEntropy'])
+    trainer = Trainer(model=wrap_composer(model, tokenizer), eval_dataloader=evaluators,
+                      device='gpu' if device.startswith('cuda') else 'cpu', progress_bar=False, log_to_console=False)
+    try:
+        trainer.eval()
+        losses = {label.removeprefix('eval_'): float(metrics['LanguageCrossEntropy'].compute())
+                  for label, metrics in trainer.state.eval_metrics.items()}
+    finally:
+        close_trainer(trainer)
+    return {**losses, 'mean': sum(losses.values()) / len(losses)}
+
+
 def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[str] | None = None,
              num_fewshot: int | None = None, limit: float | None = None, include: Sequence[str | Path] = (),
              out: str | Path | None = None, batch_size: int = 8, device: str = 'cpu', name: str | None = None,
              wandb_project: str | None = None, wandb_mode: str = 'offline', wandb_dir: str | None = None,
-             val_loss: float | None = None, seed: int = 1234) -> dict:
+             data: str | Path | None = None, train_tokens: int | None = None, seed: int = 1234) -> dict:
+    """lm-eval scores of one model (and its validation loss on ``data``, a `dha-train data prep` folder), printed,
+    written to ``out``/eval_results.json and, with ``wandb_project``, logged to W&B."""
     chosen = resolve_tasks(suite, tasks, num_fewshot)
     if limit is not None and limit <= 0:
         raise EvalError(f'--limit must be > 0, got {limit}')
+    if data is not None and not Path(data).is_dir():
+        raise EvalError(f'--data {data}: not a folder (give a `dha-train data prep` output with a val split)')
     check_tasks(chosen, include)
     model, tokenizer, hf_folder = load_model(model_path, device)
+    losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
     scores = score_model(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
                          device=device, seed=seed)
     source = Path(model_path)
     result = {'model': str(source.resolve()), 'name': name or source.name, 'suite': suite, 'limit': limit,
               'scores': scores, 'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),
-              'model_type': model.config.model_type, 'train_tokens': _training_tokens(source),
-              'val_loss': val_loss}
+              'model_type': model.config.model_type,
+              'train_tokens': train_tokens if train_tokens is not None else _training_tokens(source),
+              'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
     print_scores(result)
+    if losses:
+        print(f"validation loss {losses['mean']:.4f} (" + ', '.join(f'{d} {v:.4f}' for d, v in losses.items()
+                                                             if d != 'mean') + ')')
     if wandb_project:
         log_to_wandb(result, wandb_project, wandb_mode, wandb_dir)
     print(f'results: {out / RESULTS_FILE}')
@@ -295,6 +330,8 @@ def log_to_wandb(result: dict, project: str, mode: str = 'offline', folder: str 
     metrics = {f'eval/{task}/{key}': value for task, values in result['scores'].items()
                for key, value in values.items() if key != 'num_fewshot'}
     metrics['eval/kv_cache_bytes_per_4096_tokens'] = result['kv_cache_bytes_per_4096_tokens']
+    if result.get('val_loss') is not None:
+        metrics['eval/val_loss'] = result['val_loss']
     run.log(metrics)
     run.finish()
 

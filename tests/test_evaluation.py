@@ -81,12 +81,13 @@ def test_local_task_is_well_formed(local_task):
 
 
 @pytest.fixture(scope='module')
-def evaluated(models, local_task, tmp_path_factory):
-    """`run_eval` on the three exports with the local task; the DHA one also logs to an offline W&B run."""
+def evaluated(models, local_task, tmp_path_factory, data_root):
+    """`run_eval` on the three exports with the local task; the DHA one also measures its validation loss and logs
+    to an offline W&B run."""
     root = tmp_path_factory.mktemp('evaluated')
     results = {}
     for kind in ('dha', 'mha', 'gqa'):
-        wandb = {'wandb_project': 'dha-tests', 'wandb_dir': str(root)} if kind == 'dha' else {}
+        wandb = {'wandb_project': 'dha-tests', 'wandb_dir': str(root), 'data': data_root} if kind == 'dha' else {}
         results[kind] = run_eval(models[kind], suite='local', include=[local_task], out=root / kind, name=kind,
                                  **wandb)
     return root, results
@@ -105,6 +106,30 @@ def test_eval_accuracy_equals_a_hand_computation(models, local_task, evaluated, 
     assert saved['kv_cache_bytes_per_4096_tokens'] == kv_cache_bytes(config) == heads * 16 * 4096 * 2
 
 
+def test_validation_loss_is_the_token_mean_cross_entropy_of_the_val_split(models, evaluated, data_root):
+    import numpy as np
+    from streaming import StreamingDataset
+
+    from dha_train.data.loaders import TOKENS_COLUMN
+
+    model = AutoModelForCausalLM.from_pretrained(models['dha'], trust_remote_code=True).eval()
+    per_domain = {}
+    for domain in ('github', 'wikipedia'):
+        dataset = StreamingDataset(local=str(data_root / domain / 'val'), shuffle=False, batch_size=1)
+        total, count = 0.0, 0
+        for sample in dataset:
+            ids = torch.from_numpy(np.asarray(sample[TOKENS_COLUMN]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction='sum'))
+            count += ids.shape[1] - 1
+        per_domain[domain] = total / count
+    measured = evaluated[1]['dha']['val_loss_per_domain']
+    for domain, loss in per_domain.items():
+        assert measured[domain] == pytest.approx(loss, rel=1e-5)
+    assert evaluated[1]['dha']['val_loss'] == pytest.approx(sum(per_domain.values()) / 2, rel=1e-5)
+
+
 def test_offline_wandb_run_holds_the_eval_metrics(evaluated):
     from test_single_process import _wandb_history_keys
 
@@ -114,6 +139,7 @@ def test_offline_wandb_run_holds_the_eval_metrics(evaluated):
     history = _wandb_history_keys(runs[0])
     assert history[f'eval/{LOCAL_TASK}/acc'] == [pytest.approx(results['dha']['scores'][LOCAL_TASK]['acc'])]
     assert history['eval/kv_cache_bytes_per_4096_tokens'] == [results['dha']['kv_cache_bytes_per_4096_tokens']]
+    assert history['eval/val_loss'] == [pytest.approx(results['dha']['val_loss'])]
 
 
 def test_compare_tables_three_runs_and_writes_the_plot(evaluated, tmp_path, capsys):
