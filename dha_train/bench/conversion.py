@@ -137,7 +137,7 @@ def _asym_gqa(run: Path, work: Path, kv_heads: int, batches: int | None, symmetr
                         SearchSettings(method='asym', kv_heads=kv_heads, symmetric=symmetric, data=str(run / 'data'),
                                        fitness='loss', seed=seed), overwrite=True)
     hf = convert_checkpoint(run / 'export' / 'hf', work / f'{name}-convert', result.head_map, overwrite=True)
-    row = {'symmetric': symmetric, 'group_sizes': [[len(group) for group in layer.key] for layer in
+    row = {'symmetric': symmetric, 'group_sizes': [[len(group) for group in layer.key_groups()] for layer in
                                                    result.head_map.layers],
            'search_seconds': result.report['timings']['total_s']}
     if batches is None:
