@@ -143,7 +143,7 @@ def resolve_tasks(suite: str | None, tasks: Sequence[str] | None, num_fewshot: i
 
 
 def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
-    """(model, tokenizer, hf folder) from an HF folder or a Composer checkpoint / save folder."""
+    """(model, tokenizer) from an HF folder or a Composer checkpoint / save folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,14 +152,15 @@ def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
     path = Path(path)
     if not path.exists():
         raise EvalError(f'model not found: {path}')
-    if not (path / 'config.json').is_file():  # a Composer checkpoint: export it first
-        from dha_train.export import export_hf
+    with tempfile.TemporaryDirectory(prefix='dha-eval-') as scratch:
+        if not (path / 'config.json').is_file():  # a Composer checkpoint: export it first (removed after loading)
+            from dha_train.export import export_hf
 
-        path = export_hf(path, Path(tempfile.mkdtemp(prefix='dha-eval-')) / 'hf')
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
-                                                 torch_dtype=getattr(torch, dtype)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer, path
+            path = export_hf(path, Path(scratch) / 'hf')
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
+                                                     torch_dtype=getattr(torch, dtype)).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
 
 
 def kv_cache_bytes(config, seq_len: int = 4096, bytes_per_value: int = 2) -> int:
@@ -277,7 +278,7 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     if data is not None and not Path(data).is_dir():
         raise EvalError(f'--data {data}: not a folder (give a `dha-train data prep` output with a val split)')
     check_tasks(chosen, include)
-    model, tokenizer, hf_folder = load_model(model_path, device)
+    model, tokenizer = load_model(model_path, device)
     losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
     scores = score_model(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
                          device=device, seed=seed)

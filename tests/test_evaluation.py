@@ -152,6 +152,16 @@ def test_compare_tables_three_runs_and_writes_the_plot(evaluated, tmp_path, caps
     assert (tmp_path / 'compare' / 'compare.png').stat().st_size > 10_000
 
 
+def test_the_cli_command_runs_and_names_bad_input(models, local_task, tmp_path, capsys):
+    from dha_train.cli import main
+
+    assert main(['eval', str(models['gqa']), '--suite', 'local', '--include', str(local_task), '--limit', '4',
+                 '--out', str(tmp_path / 'cli')]) == 0
+    assert json.loads((tmp_path / 'cli' / 'eval_results.json').read_text())['scores'][LOCAL_TASK]['acc'] >= 0
+    assert main(['compare', str(tmp_path / 'cli')]) == 2
+    assert 'compare needs at least two runs' in capsys.readouterr().err
+
+
 def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
     with pytest.raises(EvalError, match='exactly one of a suite'):
         resolve_tasks(None, None, None)
@@ -177,6 +187,7 @@ def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_roo
 
     recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='2ba', loggers={'in_memory': {}},
                          eval_loader={'root': str(data_root)}, eval_interval='2ba',
+                         save_folder=str(tmp_path / 'ckpt'), save_interval='2ba',
                          callbacks={'lm_eval_at_end': {'suite': 'local', 'include': [str(local_task)], 'limit': 8}})
     trainer = train(load_config(recipe))
     try:
@@ -187,6 +198,9 @@ def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_roo
         assert all(f'metrics/eval_{domain}/LanguageCrossEntropy' in memory.data for domain in ('github', 'wikipedia'))
     finally:
         close_trainer(trainer)
+    # `dha-train eval` also takes the Composer checkpoint itself (exported to a temporary folder first).
+    result = run_eval(tmp_path / 'ckpt', suite='local', include=[local_task], out=tmp_path / 'eval', limit=8)
+    assert result['model_type'] == 'llama' and result['scores'][LOCAL_TASK]['acc'] == pytest.approx(accuracy)
     from dha_train import registry
 
     with pytest.raises(EvalError, match='exactly one of a suite'):

@@ -299,3 +299,17 @@ def test_fsdp2_two_process_learned_router_trains_and_exports(tmp_path, data_root
         initial = torch.empty_like(router).normal_(0.0, model.config.initializer_range, generator=generator)
         assert (router - initial).abs().max() > 1e-3
     assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
+
+    # Training goes on from the MoH export: its routers stay in the model's parameter groups, none is added twice.
+    from dha_train.config import load_config
+    from dha_train.train import close_trainer, train
+
+    again = tiny_recipe(data_root, tokenizer_dir, max_duration='2ba',
+                        algorithms={'mixture_of_heads': {'router': 'learned', 'shared_heads': 2, 'top_k': 1}})
+    again['model'] = {'pretrained_path': str(out)}
+    trainer = train(load_config(again))
+    try:
+        groups = [g['name'] for g in trainer.state.optimizers[0].param_groups]
+        assert 'moh_router' not in groups and int(trainer.state.timestamp.batch) == 2
+    finally:
+        close_trainer(trainer)

@@ -67,7 +67,8 @@ class MixtureOfHeads(Algorithm):
                          '(algorithms: mixture_of_heads: ...)')
 
     def apply_surgery(self, model: nn.Module, seed: int = 0) -> list[nn.Parameter]:
-        """Swap every attention for MoH attention; returns the new router parameters (none for query_norm)."""
+        """Swap every attention for MoH attention; returns the routers it created (none for query_norm, nor for a
+        MoH checkpoint, whose routers the optimizer already holds)."""
         from transformers.models.llama.modeling_llama import LlamaAttention
 
         hf = _hf_model(model)
@@ -102,9 +103,8 @@ class MixtureOfHeads(Algorithm):
                     init.normal_(0.0, config.initializer_range, generator=generator)
                     moh.router = nn.Linear(moh.router.in_features, moh.router.out_features, bias=False)
                     moh.router.weight = nn.Parameter(init.to(device=weight.device, dtype=weight.dtype))
+                    routers.append(moh.router.weight)
                 parent.self_attn = attn = moh
-            if attn.router is not None:
-                routers.append(attn.router.weight)
             self.attentions.append(attn)
         return routers
 
