@@ -174,6 +174,7 @@ def decode_bench(seq_lens: Sequence[int], heads: int, head_dim: int, layers: int
 def continue_bench(run: Path, work: Path, steps: int | None = None) -> dict:
     import shutil
 
+    from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
     from dha_train.bench.conversion import _gqa_ct, _validation_loss
     from dha_train.quickstart import SEQ_LEN, mean_eval, train_stage, train_tokens
 
@@ -187,7 +188,7 @@ def continue_bench(run: Path, work: Path, steps: int | None = None) -> dict:
     trainer, config, history = train_stage('moh/tiny/continue.yaml', overrides, None)
     if not history['eval']:
         raise RuntimeError('bench moh: the continue-tuning run logged no evaluation')
-    moh = next(a for a in trainer.state.algorithms if type(a).__name__ == 'MixtureOfHeads')
+    moh = MixtureOfHeads.of(trainer.state, 'bench moh')
     after = mean_eval(history, -1)['mean']
     # Control: the MHA teacher trained on as many tokens (the tiny CT recipe), since more training alone helps it.
     batches = train_tokens(config) // (config.global_train_batch_size * SEQ_LEN)

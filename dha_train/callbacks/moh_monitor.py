@@ -38,7 +38,6 @@ class MohMonitor(Callback):
         self.plot_interval, self.plot_dir = plot_interval, plot_dir
         self._moh: Optional[MixtureOfHeads] = None
         self._plotted_batch: Optional[int] = None
-        self.plots: list[Path] = []
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._moh = MixtureOfHeads.of(state, 'moh_monitor')
@@ -90,8 +89,6 @@ class MohMonitor(Callback):
             folder = Path(self.plot_dir.format(run_name=state.run_name)) if self.plot_dir else Path(tmp)
             path = plot_head_load(self._moh.routing['load'].numpy(), folder / f'head_load_ba{batch}.png', title)
             image = _pyplot().imread(str(path))[..., :3]
-            if self.plot_dir:
-                self.plots.append(path)
         logger.log_images(image, name='moh/head_load', channels_last=True, step=batch)
 
 
