@@ -145,7 +145,7 @@ def test_sparse_decode_computes_only_active_heads_and_equals_dense(kv_heads, rou
 
     def counting_sdpa(query, key, value, **kwargs):
         if query.shape[-2] == 1 or (kv_heads != 8 and key.shape[1] == 1):  # decode calls only
-            rows.append(query.shape[1] * query.shape[2])  # heads x query rows attended
+            rows.append(query.numel() // query.shape[-1])  # heads x query rows attended (batch 1)
         return real_sdpa(query, key, value, **kwargs)
     monkeypatch.setattr(modeling_moh.F, 'scaled_dot_product_attention', counting_sdpa)
     sparse = moh.generate(prompt, **settings)
@@ -162,6 +162,80 @@ def test_active_head_runs_merge_across_small_gaps():
     assert modeling_moh._runs(active, max_gap=1) == [(0, 4), (7, 8)]
     assert modeling_moh._runs(active, max_gap=3) == [(0, 8)]
     assert modeling_moh._runs([False, False]) == []
+
+
+def covered_heads(blocks):
+    """Every head a plan of strided blocks attends, in call order (repeats kept)."""
+    return [start + i * step + j for start, length, count, step in blocks for i in range(count) for j in range(length)]
+
+
+def test_strided_blocks_chain_lone_heads_and_equal_runs_and_cover_each_active_head_once():
+    runs = [(0, 4), (5, 6), (7, 9), (11, 12), (14, 16), (17, 18), (23, 24)]
+    # Lone heads 5, 11, 17, 23 are evenly spaced (one call); runs 7-8 and 14-15 have equal length (one call at batch
+    # 1); the 4-head run stays on its own.
+    assert modeling_moh._strided_blocks(runs) == [(0, 4, 1, 0), (5, 1, 4, 6), (7, 2, 2, 7)]
+    # Larger batches cannot use the batch dimension: equal runs stay apart, lone heads still chain; uneven spacing
+    # splits a chain.
+    assert modeling_moh._strided_blocks(runs, same_length_runs=False) == [
+        (0, 4, 1, 0), (7, 2, 1, 0), (14, 2, 1, 0), (5, 1, 4, 6)]
+    assert modeling_moh._strided_blocks([(1, 2), (2, 3), (6, 7), (9, 10)]) == [(1, 1, 2, 1), (6, 1, 2, 3)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        active = (torch.rand(32, generator=generator) < 0.5).tolist()
+        blocks = modeling_moh._strided_blocks(modeling_moh._runs(active))
+        assert sorted(covered_heads(blocks)) == [h for h in range(32) if active[h]]
+
+
+def test_decode_plan_takes_the_cheapest_cover():
+    active = [True] * 4 + [False, True, False, True] + [False] * 8
+    # Free calls: exactly the active heads, the two lone heads in one chained call.
+    assert modeling_moh._decode_plan(active, call_heads=0.0) == [(0, 4, 1, 0), (5, 1, 2, 2)]
+    # Calls worth 1 head: 6 heads in 2 calls (cost 8) still beat 8 heads in 1 (cost 9).
+    assert modeling_moh._decode_plan(active, call_heads=1.0) == [(0, 4, 1, 0), (5, 1, 2, 2)]
+    # Calls worth 3 heads: merging across the 1-head gaps (8 + 3) beats 6 + 2 x 3 and every head (16 + 3).
+    assert modeling_moh._decode_plan(active, call_heads=3.0) == [(0, 8, 1, 0)]
+    # Calls worth 12 heads: one call over the first 8 (8 + 12) beats every head (16 + 12).
+    assert modeling_moh._decode_plan(active, call_heads=12.0) == [(0, 8, 1, 0)]
+    # One inactive head in the middle is not worth a second call: every head in one call.
+    assert modeling_moh._decode_plan([True] * 7 + [False] + [True] * 8, call_heads=2.0) is None
+    assert modeling_moh._decode_plan([True] * 7 + [False] + [True] * 8, call_heads=0.5) == [(0, 7, 1, 0), (8, 8, 1, 0)]
+    assert modeling_moh._decode_plan([True] * 8, call_heads=0.0) is None
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+def test_strided_decode_attention_equals_every_head_attention(batch):
+    """The chained views feed SDPA the right heads: equal to dense attention on the active heads (0 elsewhere), with
+    a padding mask at batch 2."""
+    heads, dim, length = 16, 8, 40
+    config = MohLlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads,
+                            num_hidden_layers=1, intermediate_size=32, vocab_size=32, moh_shared_heads=4,
+                            moh_top_k=4)
+    attention = MohLlamaAttention(config, 0)
+    attention.decode_merge_elements = 0  # calls cost nothing: exactly the active heads
+    generator = torch.Generator().manual_seed(batch)
+    query = torch.randn(batch, heads, 1, dim, generator=generator)
+    # Non-contiguous like the model's: the cache as a view into a larger buffer.
+    key = torch.randn(batch, heads, length + 5, dim, generator=generator)[:, :, :length]
+    value = torch.randn(batch, heads, length + 5, dim, generator=generator)[:, :, :length]
+    mask = None
+    if batch == 2:
+        mask = torch.zeros(batch, 1, 1, length)
+        mask[1, ..., :7] = torch.finfo(torch.float32).min  # the second sequence is left-padded
+    chained = 0
+    for _ in range(20):
+        gates = torch.zeros(batch, 1, heads)
+        gates[..., :4] = 1
+        for row in range(batch):
+            gates[row, 0, 4 + torch.randperm(12, generator=generator)[:4]] = 0.5
+        active = gates.reshape(batch, heads).ne(0).any(0)
+        blocks = modeling_moh._decode_plan(active.tolist(), 0.0, chain_runs=batch == 1)
+        chained += sum(count > 1 for _, _, count, _ in blocks)
+        dense = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                                 scale=attention.scaling)
+        expected = (dense * active.view(1, heads, 1, 1)).transpose(1, 2)
+        got = attention.active_heads_attention(query, key, value, gates, mask)
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert chained > 10  # the chained views were exercised
 
 
 class GradCapture(Callback):

@@ -223,29 +223,41 @@ class MohLlamaAttention(LlamaAttention):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
+    def every_head_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One new token's attention for every head in one call, (B, 1, H, D)."""
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.num_key_value_groups > 1).transpose(1, 2)
+
     def active_heads_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                gates: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """One new token's attention over the cache for the heads some sequence of the batch uses; the other heads'
         outputs are 0 (their gates are 0 too). query (B, H, 1, D), key/value (B, H_kv, S, D) -> (B, 1, H, D).
 
-        Consecutive active heads with their own K/V run as one call on views of the cache (no copy); under GQA the
-        active query heads of one K/V head are stacked as query rows against that head's cache."""
+        MHA (one K/V head per query head): the active heads are covered by few strided views of the cache (no copy,
+        see ``_strided_blocks``), one attention call each: a run of consecutive heads, or equally long runs spaced
+        evenly (two lone heads always are). Fewer calls cost less overhead, and a call over two or more heads keeps
+        both cores of a CPU streaming the cache, where a lone head's call reads it on one. Under GQA the active query
+        heads of one K/V head are stacked as query rows against that head's cache."""
         batch, heads, _, dim = query.shape
         length = key.shape[2]
         mask = _decode_mask(attention_mask, batch, length)
+        call_heads = self.decode_merge_elements / (length * dim)  # one call's overhead, in heads of work
+        if self.routed_heads - self.top_k <= 2 * call_heads:
+            # The most a token skips saves less than reading its routing back and two calls cost (short caches):
+            # every head in one call, as MHA does.
+            return self.every_head_decode(query, key, value, mask)
         active = gates.reshape(batch, heads).ne(0).any(0).tolist()  # one host sync per layer and token
         group = self.num_key_value_groups
         if group == 1:
-            runs = _runs(active, max_gap=self.decode_merge_elements // (length * dim))
-            skipped = heads - sum(stop - start for start, stop in runs)
-            if skipped * length * dim <= (len(runs) - 1) * self.decode_merge_elements:
-                # Skipping so little work costs more calls than it saves: every head in one call (as MHA does).
-                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                      scale=self.scaling).transpose(1, 2)
+            blocks = _decode_plan(active, call_heads, chain_runs=batch == 1)
+            if blocks is None:  # skipping so few heads costs more calls than it saves
+                return self.every_head_decode(query, key, value, mask)
             output = query.new_zeros(batch, heads, 1, dim)
-            for start, stop in runs:
-                output[:, start:stop] = F.scaled_dot_product_attention(
-                    query[:, start:stop], key[:, start:stop], value[:, start:stop], attn_mask=mask, scale=self.scaling)
+            for block in blocks:
+                _block_view(output, block).copy_(F.scaled_dot_product_attention(
+                    _block_view(query, block), _block_view(key, block), _block_view(value, block),
+                    attn_mask=mask, scale=self.scaling))
         else:
             output = query.new_zeros(batch, heads, 1, dim)
             for kv_head in range(heads // group):
@@ -283,6 +295,68 @@ def _runs(active: list[bool], max_gap: int = 0) -> list[tuple[int, int]]:
         else:
             merged.append((start, stop))
     return merged
+
+
+def _decode_plan(active: list[bool], call_heads: float,
+                 chain_runs: bool = True) -> Optional[list[tuple[int, int, int, int]]]:
+    """The cheapest strided blocks (see ``_strided_blocks``) covering the ``active`` heads, or None when one call
+    over every head costs less. A call costs ``call_heads`` heads of work on top of the heads it reads; the candidates
+    are the exact runs of active heads and the runs merged across gaps of up to ``call_heads`` inactive heads."""
+    if all(active):
+        return None
+    best, best_cost = None, len(active) + call_heads  # every head in one call
+    for max_gap in sorted({0, int(call_heads)}):
+        runs = _runs(active, max_gap=max_gap)
+        blocks = _strided_blocks(runs, same_length_runs=chain_runs)
+        cost = sum(stop - start for start, stop in runs) + len(blocks) * call_heads
+        if cost < best_cost:
+            best, best_cost = blocks, cost
+    return best
+
+
+def _strided_blocks(runs: list[tuple[int, int]], same_length_runs: bool = True,
+                    single_call_heads: int = 4) -> list[tuple[int, int, int, int]]:
+    """Cover ``runs`` ([start, stop) of active heads) with strided blocks ``(start, length, count, step)``: heads
+    ``start + i * step + j`` for ``i < count``, ``j < length``. Lone heads are chained ``count`` at a time while
+    they stay evenly spaced (any two are); with ``same_length_runs`` (batch size 1, where the block can use the batch
+    dimension) runs of the same length shorter than ``single_call_heads`` chain likewise. Longer runs are one block
+    each."""
+    blocks, chains = [], {}
+    for start, stop in runs:
+        length = stop - start
+        if length == 1 or (same_length_runs and length < single_call_heads):
+            chains.setdefault(length, []).append(start)
+        else:
+            blocks.append((start, length, 1, 0))
+    for length, starts in chains.items():
+        index = 0
+        while index < len(starts):
+            count, step = 1, 0
+            if index + 1 < len(starts):
+                step = starts[index + 1] - starts[index]
+                count = 2
+                while index + count < len(starts) and starts[index + count] - starts[index + count - 1] == step:
+                    count += 1
+            blocks.append((starts[index], length, count, step))
+            index += count
+    return blocks
+
+
+def _block_view(tensor: torch.Tensor, block: tuple[int, int, int, int]) -> torch.Tensor:
+    """The heads of ``block`` (see ``_strided_blocks``) of a (B, H, S, D) tensor as a view: (B, length, S, D) for
+    one run, (B, count, S, D) for lone heads spaced ``step`` apart, (count, length, S, D) for longer runs (B == 1)."""
+    start, length, count, step = block
+    if count == 1:
+        return tensor[:, start:start + length]
+    batch_stride, head_stride, row_stride, dim_stride = tensor.stride()
+    offset = tensor.storage_offset() + start * head_stride
+    if length == 1:
+        return tensor.as_strided((tensor.shape[0], count, *tensor.shape[2:]),
+                                 (batch_stride, step * head_stride, row_stride, dim_stride), offset)
+    if tensor.shape[0] != 1:
+        raise ValueError('MoH decode: runs of several heads chain only at batch size 1')
+    return tensor.as_strided((count, length, *tensor.shape[2:]),
+                             (step * head_stride, head_stride, row_stride, dim_stride), offset)
 
 
 def _decode_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
