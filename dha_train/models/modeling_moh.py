@@ -243,9 +243,10 @@ class MohLlamaAttention(LlamaAttention):
         length = key.shape[2]
         mask = _decode_mask(attention_mask, batch, length)
         call_heads = self.decode_merge_elements / (length * dim)  # one call's overhead, in heads of work
-        if self.routed_heads - self.top_k <= 2 * call_heads:
-            # The most a token skips saves less than reading its routing back and two calls cost (short caches):
-            # every head in one call, as MHA does.
+        # About one call for the shared run and one per two routed heads (lone heads chain in pairs), plus about a
+        # call's worth for reading the routing back: when the heads a token skips save less than that (short caches,
+        # few skipped heads), every head in one call, as MHA does.
+        if self.routed_heads - self.top_k <= (2 + self.top_k / 2) * call_heads:
             return self.every_head_decode(query, key, value, mask)
         active = gates.reshape(batch, heads).ne(0).any(0).tolist()  # one host sync per layer and token
         group = self.num_key_value_groups
