@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,6 +334,29 @@ def test_bench_moh_times_every_budget_and_refuses_unknown_sections(tmp_path):
         run_moh_bench(sections=['speed'], out=tmp_path)
     with pytest.raises(ValueError, match='sections must be among dha, aligned, asym'):
         run_conversion_bench(run=tmp_path / 'never-made', sections=['moh'])
+
+
+def test_bench_moh_continue_starts_the_quickstart_in_a_fresh_run_folder(tmp_path, monkeypatch):
+    """On a fresh machine the quickstart must start before the bench writes its results folder inside the run (the
+    quickstart refuses a non-empty folder that is not a run). The quickstart and the training are replaced here;
+    the real ones run in `dha-train bench moh --sections continue`."""
+    from dha_train import quickstart
+    from dha_train.bench import moh as bench_moh
+
+    run = tmp_path / 'quickstart_run'
+
+    def quickstart_in_a_fresh_folder(out, teacher):
+        assert not Path(out).exists() or not any(Path(out).iterdir()), 'the bench wrote into the run first'
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / 'quickstart.json').write_text('{}')
+
+    measured = {'active_fraction': 0.75, 'tokens': 1, 'mha': 4.0, 'after_surgery': 4.1, 'after_training': 3.9,
+                'relative_gap': -0.025, 'mha_after_same_tokens': 3.8}
+    monkeypatch.setattr(quickstart, 'run_quickstart', quickstart_in_a_fresh_folder)
+    monkeypatch.setattr(bench_moh, 'continue_bench', lambda run, work, steps: measured)
+    results = bench_moh.run_moh_bench(sections=['continue'], run=run)
+    assert results['continue'] == measured
+    assert json.loads((run / 'bench_moh' / 'results.json').read_text())['continue'] == measured
 
 
 def test_fsdp2_two_process_learned_router_trains_and_exports(tmp_path, data_root, tokenizer_dir):

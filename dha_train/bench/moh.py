@@ -220,6 +220,11 @@ def run_moh_bench(sections: Sequence[str] = SECTIONS, seq_lens: Sequence[int] = 
         raise ValueError(f'bench moh: sections must be among {", ".join(SECTIONS)}, got {list(sections)}')
     run = Path(run)
     out = Path(out) if out is not None else (run / 'bench_moh' if 'continue' in sections else Path('bench_moh'))
+    if 'continue' in sections:
+        from dha_train.quickstart import run_quickstart
+
+        # First: the quickstart refuses a non-empty folder that is not yet a run, such as one holding only out.
+        run_quickstart(out=run, teacher=list(teacher))
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {'settings': {'heads': heads, 'head_dim': head_dim, 'layers': layers, 'seq_lens': list(seq_lens),
                                   'calls': calls, 'decode_tokens': decode_tokens, 'repeats': repeats,
@@ -239,9 +244,6 @@ def run_moh_bench(sections: Sequence[str] = SECTIONS, seq_lens: Sequence[int] = 
         _print_table(f'Greedy decode, {layers} layers of that geometry, after a prompt of seq tokens (tokens/s, '
                      'speed-up over MHA):', results['decode'], '_tokens_per_s', '_speedup')
     if 'continue' in sections:
-        from dha_train.quickstart import run_quickstart
-
-        run_quickstart(out=run, teacher=list(teacher))
         results['continue'] = continue_bench(run, out / 'runs', steps)
         save()
         c = results['continue']
