@@ -205,10 +205,10 @@ class MohLlamaAttention(LlamaAttention):
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
             key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
-        attn_weights = None
+        attn_weights = attn_output = None
         if self.sparse_decode and not self.training and input_shape[1] == 1 and past_key_value is not None:
             attn_output = self.active_heads_attention(query_states, key_states, value_states, gates, attention_mask)
-        else:
+        if attn_output is None:  # training, prefill, or a decode step where skipping heads would not pay
             attention_interface: Callable = eager_attention_forward
             if self.config._attn_implementation != "eager":
                 attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
@@ -226,16 +226,11 @@ class MohLlamaAttention(LlamaAttention):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    def every_head_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """One new token's attention for every head in one call, (B, 1, H, D)."""
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling,
-                                              enable_gqa=self.num_key_value_groups > 1).transpose(1, 2)
-
     def active_heads_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               gates: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                               gates: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """One new token's attention over the cache for the heads some sequence of the batch uses; the other heads'
-        outputs are 0 (their gates are 0 too). query (B, H, 1, D), key/value (B, H_kv, S, D) -> (B, 1, H, D).
+        outputs are 0 (their gates are 0 too). query (B, H, 1, D), key/value (B, H_kv, S, D) -> (B, 1, H, D), or
+        None when one call over every head (the model's own attention function) costs less.
 
         MHA (one K/V head per query head): the active heads are covered by few strided views of the cache (no copy,
         see ``_strided_blocks``), one attention call each: a run of consecutive heads, or equally long runs spaced
@@ -244,19 +239,19 @@ class MohLlamaAttention(LlamaAttention):
         heads of one K/V head are stacked as query rows against that head's cache."""
         batch, heads, _, dim = query.shape
         length = key.shape[2]
-        mask = _decode_mask(attention_mask, batch, length)
         call_heads = self.decode_merge_elements / (length * dim)  # one call's overhead, in heads of work
         # About one call for the shared run and one per two routed heads (lone heads chain in pairs), plus about a
         # call's worth for reading the routing back: when the heads a token skips save less than that (short caches,
         # few skipped heads), every head in one call, as MHA does.
         if self.routed_heads - self.top_k <= (2 + self.top_k / 2) * call_heads:
-            return self.every_head_decode(query, key, value, mask)
+            return None
+        mask = _decode_mask(attention_mask, batch, length)
         active = gates.reshape(batch, heads).ne(0).any(0).tolist()  # one host sync per layer and token
         group = self.num_key_value_groups
         if group == 1:
             blocks = _decode_plan(active, call_heads, chain_runs=batch == 1)
             if blocks is None:  # skipping so few heads costs more calls than it saves
-                return self.every_head_decode(query, key, value, mask)
+                return None
             output = query.new_zeros(batch, heads, 1, dim)
             for block in blocks:
                 _block_view(output, block).copy_(F.scaled_dot_product_attention(
