@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import LlamaForCausalLM
 
+from dha_train.config import ConfigError, TrainLoaderConfig
+from dha_train.data.loaders import build_train_dataloader, check_data_matches_model
+from dha_train.data.tokenizer import load_tokenizer
+from dha_train.errors import DhaTrainError
+from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.similarity import RunningGram
 
 KINDS = ('key', 'value', 'output')
@@ -22,7 +28,7 @@ _PROJECTION = {'key': 'k_proj', 'value': 'v_proj', 'output': 'o_proj'}
 CALIBRATION_FILE = 'calibration.pt'
 
 
-class CalibrationError(ValueError):
+class CalibrationError(DhaTrainError, ValueError):
     """Calibration cannot run as asked (too little data, unknown kinds, a model without LLaMA attention)."""
 
 
@@ -88,15 +94,6 @@ class CalibrationStats:
                                   RunningGram.from_state_dict(s['unit']) if s.get('unit') is not None else None)
                   for kind, s in layer.items()} for layer in data['stats']]
         return cls(stats, data['tokens'], data['sample_tokens'], data['head_dim'], data['seed'], tuple(data['kinds']))
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention module of every decoder layer of an HF LLaMA-style causal LM."""
-    layers = getattr(getattr(model, 'model', model), 'layers', None)
-    if layers is None or not all(hasattr(layer, 'self_attn') for layer in layers):
-        raise CalibrationError(f'{type(model).__name__} has no model.layers[i].self_attn; calibration needs a '
-                               'LLaMA-style causal LM')
-    return [layer.self_attn for layer in layers]
 
 
 class _Recorder:
@@ -205,3 +202,32 @@ def calibrate(model: torch.nn.Module, batches: Iterable[dict], *, num_tokens: in
                                f'{num_tokens - recorder.remaining}; lower --tokens or add data')
     return CalibrationStats(recorder.stats, num_tokens, min(sample_tokens, num_tokens), recorder.head_dim, seed,
                             tuple(kinds))
+
+
+# --- loading a model and its calibration data (shared by `dha-train search` and `dha-train align`) ----------------
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def load_mha_model(model_dir: Path, config, *, dtype: str = 'float32', device: str = 'cpu', who: str = 'search'):
+    """The MHA LLaMA in ``model_dir`` for calibration; a checkpoint that already shares K/V heads is refused."""
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ConfigError(f'{who}: {model_dir} already shares K/V heads (num_key_value_heads='
+                          f'{config.num_key_value_heads}); {who} starts from an MHA checkpoint')
+    if dtype not in DTYPES:
+        raise ConfigError(f"{who}: dtype must be float32, bfloat16 or float16, got '{dtype}'")
+    model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def calibration_batches(model_dir: Path, config, *, data: str, split: str, batch_size: int, seed: int,
+                        who: str = 'search'):
+    """Batches from a shuffled StreamingDataLoader over the data's domain mixture, checked against the model's
+    vocabulary, context length and (when the folder has one) tokenizer."""
+    tokenizer = None
+    if (model_dir / 'tokenizer.json').is_file() or (model_dir / 'tokenizer_config.json').is_file():
+        tokenizer = load_tokenizer(str(model_dir))
+    check_data_matches_model(data, vocab_size=config.vocab_size, max_seq_len=config.max_position_embeddings,
+                             where=who, tokenizer=tokenizer)
+    loader_config = TrainLoaderConfig(root=data, split=split, drop_last=False)
+    return iter(build_train_dataloader(loader_config, device_batch_size=batch_size, seed=seed))

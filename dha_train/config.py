@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from composer.core import Time
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from transformers import LlamaConfig
 
 from dha_train.data.domains import DOMAINS
+from dha_train.errors import DhaTrainError
 
 
-class ConfigError(ValueError):
+class ConfigError(DhaTrainError, ValueError):
     """A configuration problem, with the offending key path in the message."""
 
 
@@ -208,6 +211,14 @@ def unknown_key_error(path: str, key: str, valid: typing.Iterable[str]) -> Confi
     return ConfigError(f"unknown config key '{where}'{hint} (valid keys here: {', '.join(valid)})")
 
 
+def check_llama_config_keys(overrides: dict) -> None:
+    """Every key of ``model.config`` must be a LlamaConfig field."""
+    valid = set(LlamaConfig().to_dict())
+    for key in overrides:
+        if key not in valid:
+            raise unknown_key_error('model.config', key, valid)
+
+
 def _build_dataclass(cls: type, values: dict, path: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -251,8 +262,6 @@ def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ())
 
 def _check_values(config: TrainConfig) -> None:
     """Cross-field checks that the types alone cannot express."""
-    from composer.core import Time
-
     for name in ('max_duration', 'eval_interval', 'save_interval', 'console_log_interval'):
         value = getattr(config, name)
         try:
@@ -263,8 +272,6 @@ def _check_values(config: TrainConfig) -> None:
         Time.from_timestring(config.scheduler.t_warmup)
     except ValueError as exc:
         raise ConfigError(f"scheduler.t_warmup: '{config.scheduler.t_warmup}' is not a Composer time string") from exc
-    from dha_train.models.llama import check_llama_config_keys
-
     check_llama_config_keys(config.model.config)
     for domain in config.train_loader.streams or {}:
         if domain not in DOMAINS:

@@ -1,17 +1,30 @@
-"""Composer checkpoint (full file or sharded folder) -> Hugging Face folder (safetensors, config, tokenizer)."""
+"""Composer checkpoint (full file or sharded folder) -> Hugging Face folder (safetensors, config, tokenizer).
+
+Method-agnostic: the checkpoint's config names the method whose surgery it holds, and ``methods.export_model``
+turns it into the model that method stands for.
+"""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
+import torch
+from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM
+
+import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so every exported config resolves)
+from dha_train.data.tokenizer import load_tokenizer
+from dha_train.errors import DhaTrainError
+from dha_train.methods import MethodError, export_model
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import refuse_nonempty, staged_folder
 
 LATEST = 'latest-rank0.pt'
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DhaTrainError, ValueError):
     """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
 
 
@@ -30,14 +43,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_composer_state(path: str | Path) -> dict:
     """Load a whole Composer checkpoint into memory as the nested dict Composer saved."""
-    import torch
-
     path = resolve_checkpoint(path)
     try:
         if path.is_dir():
             # Sharded (FSDP2 / torch.distributed.checkpoint) folder: gather the shards into one state dict.
-            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
             with tempfile.TemporaryDirectory() as tmp:
                 gathered = Path(tmp) / 'gathered.pt'
                 dcp_to_torch_save(str(path), str(gathered))
@@ -52,10 +61,6 @@ def load_composer_state(path: str | Path) -> dict:
 
 
 def _hf_parts(state: dict, checkpoint: Path):
-    from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
-
-    import dha_train.models  # noqa: F401  (registers the DHA config so head-mapped checkpoints resolve)
-
     try:
         hf_state = state['state']['integrations']['huggingface']
     except KeyError as exc:
@@ -74,31 +79,9 @@ def model_weights(state: dict) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
 
 
-def bake_fusion(config, weights: dict):
-    """A DHA fusion checkpoint (``HeadFusion`` omega in its K/V projections) -> the DHA config and baked weights:
-    omega averaged within each group, one compact K/V head per group (``ops.fusion.bake_llama_state_dict``)."""
-    from dha_train.models.modeling_dha import DhaLlamaConfig
-    from dha_train.ops.fusion import bake_llama_state_dict
-
-    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-    baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim)
-    head_map = HeadMap.dha(key_partitions, value_partitions, config.num_attention_heads, head_dim)
-    return DhaLlamaConfig(**{**_llama_settings(config), 'head_map': head_map.to_dict()}), baked
-
-
-def _llama_settings(config) -> dict:
-    """A config's fields without its class identity, to rebuild it as another LLaMA variant."""
-    return {k: v for k, v in config.to_dict().items() if k not in ('model_type', 'architectures', 'auto_map')}
-
-
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
               dtype: str = 'float32', overwrite: bool = False) -> Path:
     """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dha_train.data.tokenizer import load_tokenizer
-
     out_dir = Path(out_dir)
     refuse_nonempty(out_dir, overwrite)  # fail before loading the checkpoint
     if dtype not in ('float32', 'bfloat16', 'float16'):
@@ -108,21 +91,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     config, saved_tokenizer = _hf_parts(state, path)
     hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
 
-    weights = model_weights(state)
-    if any(name.endswith('.k_proj.omega') for name in weights):  # a DHA fusion run: bake it into the DHA model
-        config, weights = bake_fusion(config, weights)
-    if any(name.endswith('.k_proj.group_weight') for name in weights):  # aligned GQA: keep only the group heads
-        from dha_train.models.transfer import transfer_to_gqa_state_dict
-
-        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-        try:
-            weights, config.num_key_value_heads = transfer_to_gqa_state_dict(weights, head_dim)
-        except ValueError as exc:
-            raise CheckpointError(f'{path}: {exc}') from exc
-    if getattr(config, 'moh_router', None) is not None and config.model_type != 'moh_llama':
-        from dha_train.models.modeling_moh import MohLlamaConfig  # a mixture_of_heads run: the MoH model class
-
-        config = MohLlamaConfig(**_llama_settings(config))
+    try:  # the method whose surgery the checkpoint holds (its tag in the config) turns it into its model
+        config, weights = export_model(config, model_weights(state))
+    except MethodError as exc:
+        raise CheckpointError(f'{path}: {exc}') from exc
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:

@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dha_train.errors import InputNotFoundError, OutputExistsError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 YAMLS = REPO_ROOT / 'yamls'
 
@@ -15,7 +17,7 @@ def recipe_path(name: str) -> Path:
     """``'pretrain/tiny.yaml'`` -> the file under the repository's ``yamls/``."""
     path = YAMLS / name
     if not path.is_file():
-        raise FileNotFoundError(f'recipe {name} not found under {YAMLS}; install dha_train editable from its '
+        raise InputNotFoundError(f'recipe {name} not found under {YAMLS}; install dha_train editable from its '
                                 'repository (pip install -e .)')
     return path
 
@@ -24,7 +26,7 @@ def refuse_nonempty(out_dir: str | Path, overwrite: bool) -> None:
     """An existing, non-empty output folder is replaced only when asked to."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
+        raise OutputExistsError(f'{out_dir} exists and is not empty; pass --overwrite to replace it')
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 A YAML section such as ``callbacks: {speed_monitor: {window_size: 10}}`` becomes
 ``callbacks.build('speed_monitor', {'window_size': 10})``. Later issues only add entries here (or call
-``register`` from their own module, imported by ``dha_train.components``).
+``register`` from their own module in ``algorithms/`` or ``callbacks/``, which train.py imports).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dha_train.config import ConfigError, unknown_key_error
+from dha_train.errors import DhaTrainError
 
 
 class Registry:
@@ -33,17 +34,34 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._builders)
 
+    def accepted(self, name: str) -> list[str]:
+        """The keyword arguments the component ``name`` takes."""
+        parameters = inspect.signature(self._builders[name]).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            raise TypeError(f'{self.kind} {name!r} takes **kwargs; register a class or a function with explicit '
+                            'arguments, so a misspelt key is caught')
+        return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
     def build(self, name: str, kwargs: dict[str, Any] | None) -> Any:
+        """Check ``kwargs`` against the component's signature (unknown or missing keys are a ``ConfigError`` naming
+        the closest valid key), then build it; a bad value it refuses becomes a ``ConfigError`` naming it too."""
         if name not in self._builders:
             raise unknown_key_error(self.kind, name, self.names())
-        builder = self._builders[name]
-        kwargs = dict(kwargs or {})
+        builder, kwargs, where = self._builders[name], dict(kwargs or {}), f'{self.kind}.{name}'
+        accepted = self.accepted(name)
+        for key in kwargs:
+            if key not in accepted:
+                raise unknown_key_error(where, key, accepted)
         try:
             inspect.signature(builder).bind(**kwargs)
         except TypeError as exc:
-            accepted = [p for p in inspect.signature(builder).parameters if p not in ('self', 'args', 'kwargs')]
-            raise ConfigError(f'{self.kind}.{name}: {exc} (accepted: {", ".join(accepted) or "none"})') from exc
-        return builder(**kwargs)
+            raise ConfigError(f'{where}: {exc} (accepted: {", ".join(accepted) or "none"})') from exc
+        try:
+            return builder(**kwargs)
+        except (ValueError, TypeError, DhaTrainError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f'{where}: {exc}') from exc
 
     def build_all(self, section: dict[str, dict[str, Any]]) -> list[Any]:
         return [self.build(name, kwargs) for name, kwargs in section.items()]

@@ -6,66 +6,29 @@ Launch:  composer -n 8 -m dha_train.train yamls/pretrain/llama2_7b_cpt.yaml save
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# Recipes take local paths; nothing may reach a model hub at run time.
-os.environ.setdefault('HF_HUB_OFFLINE', '1')
-os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
+import torch
+from composer import Trainer
+from composer.utils import FSDP2Config, dist, get_device, reproducibility
 
-from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config  # noqa: E402
-
-
-def named_param_groups(model, optimizer_cfg) -> list[dict]:
-    """Split parameters into named groups, so logs and later algorithms can address a group by name."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        lowered = name.lower()
-        is_no_decay = param.ndim < 2 or any(p in lowered for p in optimizer_cfg.no_decay_name_patterns)
-        (no_decay if is_no_decay else decay).append(param)
-    groups = [{'name': 'decay', 'params': decay}]
-    if no_decay:
-        groups.append({'name': 'no_decay', 'params': no_decay, 'weight_decay': 0.0})
-    return groups
-
-
-def add_param_group(optimizer, name: str, params, **options) -> None:
-    """Give new parameters (fusion weights, masks, routers) their own named group and learning rate.
-
-    Call at ``Event.INIT``: Composer compiles the lr schedule after INIT, so the schedule scales this group too,
-    and its FSDP2 path re-syncs the optimizer with the sharded parameters after wrapping.
-    """
-    existing = [g.get('name') for g in optimizer.param_groups]
-    if name in existing:
-        raise ValueError(f'optimizer already has a parameter group named {name!r} (groups: {existing})')
-    optimizer.add_param_group({'name': name, 'params': list(params), **options})
-
-
-def build_optimizer(model, cfg):
-    from composer.optim import DecoupledAdamW
-
-    if cfg.name != 'decoupled_adamw':
-        raise ConfigError(f"optimizer.name: '{cfg.name}' is not supported (supported: decoupled_adamw)")
-    return DecoupledAdamW(named_param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                          weight_decay=cfg.weight_decay)
-
-
-def build_scheduler(cfg):
-    from composer.optim import CosineAnnealingWithWarmupScheduler
-
-    if cfg.name != 'cosine_with_warmup':
-        raise ConfigError(f"scheduler.name: '{cfg.name}' is not supported (supported: cosine_with_warmup)")
-    return CosineAnnealingWithWarmupScheduler(t_warmup=cfg.t_warmup, alpha_f=cfg.alpha_f)
+import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
+import dha_train.callbacks  # noqa: F401  (each module registers its callback)
+from dha_train import registry
+from dha_train.builders import build_llama, build_llama_config, wrap_composer
+from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config
+from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
+from dha_train.data.tokenizer import load_tokenizer
+from dha_train.errors import DhaTrainError
+from dha_train.optim import build_optimizer, build_scheduler
 
 
 def resolve_device_and_precision(config: TrainConfig) -> tuple[str, str]:
-    import torch
-
     device = config.device
     if device == 'auto':
         device = 'gpu' if torch.cuda.is_available() else 'cpu'
@@ -92,15 +55,12 @@ def _device_batch_size(config: TrainConfig, world_size: int) -> int:
 
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
-    from composer import Trainer
-    from composer.utils import FSDP2Config, dist, get_device, reproducibility
-
-    from dha_train import components, registry  # noqa: F401  (components fills the registries)
-    from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
-    from dha_train.data.tokenizer import load_tokenizer
-    from dha_train.models.llama import build_llama, build_llama_config, wrap_composer
-
     device, precision = resolve_device_and_precision(config)
+    # Components first: a misspelt key or a bad value in a recipe's algorithms, callbacks or loggers fails here,
+    # before any process group, data loader or model exists.
+    loggers = registry.loggers.build_all(config.loggers) + list(extra_loggers)
+    callbacks = registry.callbacks.build_all(config.callbacks) + list(extra_callbacks)
+    algorithms = registry.algorithms.build_all(config.algorithms)
     # Join the process group before any StreamingDataset exists: otherwise each dataset opens and tears down a
     # temporary group of its own on the same port, and ranks race each other.
     dist.initialize_dist(get_device(device), timeout=config.dist_timeout)
@@ -127,9 +87,6 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     if config.eval_loader is not None:
         evaluators = build_evaluators(config.eval_loader, device_batch_size=config.device_eval_batch_size,
                                       metric_names=['LanguageCrossEntropy', 'LanguagePerplexity'])
-    loggers = registry.loggers.build_all(config.loggers) + list(extra_loggers)
-    callbacks = registry.callbacks.build_all(config.callbacks) + list(extra_callbacks)
-    algorithms = registry.algorithms.build_all(config.algorithms)
 
     # Same seed on every rank, so every rank builds the same initial weights before FSDP shards them.
     reproducibility.seed_all(config.seed)
@@ -186,11 +143,6 @@ def close_trainer(trainer) -> None:
     """Close a trainer for good when the process goes on to build others (quickstart stages, benchmarks): Composer
     keeps an exit hook that holds the whole training state, so without this each run's model, optimizer and
     (GPU) memory would live until the process ends."""
-    import atexit
-    import gc
-
-    import torch
-
     trainer.close()
     atexit.unregister(trainer.engine._close)
     gc.collect()
@@ -205,8 +157,6 @@ def is_finished(trainer) -> bool:
 
 def train(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Build the trainer and fit. A run that autoresumes into a finished state is reported done, not restarted."""
-    from composer.utils import dist
-
     trainer = build_trainer(config, extra_loggers, extra_callbacks)
     start_batch = int(trainer.state.timestamp.batch)
     if dist.get_global_rank() == 0:
@@ -231,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv[0], argv[1:])
         trainer = train(config)
-    except ConfigError as exc:
-        print(f'dha-train: config error: {exc}', file=sys.stderr)
+    except DhaTrainError as exc:
+        print(f'dha-train: error: {exc}', file=sys.stderr)
         return 2
     trainer.close()
     return 0

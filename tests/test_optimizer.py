@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dha_train.builders import build_llama
 from dha_train.config import ModelConfig, OptimizerConfig
-from dha_train.models.llama import build_llama
-from dha_train.train import add_param_group, build_optimizer
+from dha_train.optim import add_param_group, build_optimizer
 
 
 def test_named_groups_and_an_added_group_follow_their_own_lr():

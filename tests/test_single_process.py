@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from conftest import tiny_recipe
+from helpers import tiny_recipe, wandb_history_keys
 
 
 @pytest.fixture(scope='module')
@@ -30,35 +29,12 @@ def trained(tmp_path_factory, data_root, tokenizer_dir):
     trainer.close()
 
 
-def _wandb_history_keys(run_file) -> dict[str, list[float]]:
-    """Read the offline .wandb record log the way `wandb sync` does and collect the history values."""
-    import json
-
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
-    store = datastore.DataStore()
-    store.open_for_scan(str(run_file))
-    values: dict[str, list[float]] = {}
-    while True:
-        data = store.scan_data()
-        if data is None:
-            break
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof('record_type') == 'history':
-            for item in record.history.item:
-                key = item.key or '/'.join(item.nested_key)
-                values.setdefault(key, []).append(json.loads(item.value_json))
-    return values
-
-
 def test_offline_wandb_run_has_the_logged_loss(trained):
     tmp, trainer = trained
     trainer.close()  # flushes and finishes the W&B run
     run_files = list((tmp / 'wandb').glob('offline-run-*/run-*.wandb'))
     assert len(run_files) == 1, list((tmp / 'wandb').rglob('*'))
-    history = _wandb_history_keys(run_files[0])
+    history = wandb_history_keys(run_files[0])
     losses = history.get('loss/train/total')
     assert losses is not None and len(losses) == 10, sorted(history)
     assert all(math.isfinite(v) for v in losses)

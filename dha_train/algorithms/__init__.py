@@ -1,8 +1,8 @@
-"""dha_train's Composer algorithms; each registers itself in dha_train.registry.algorithms."""
+"""dha_train's Composer algorithms. Importing this package imports every module in it, and each registers its
+algorithm in ``dha_train.registry.algorithms``: a new algorithm only adds its module here."""
 
-from dha_train.algorithms.distillation import Distillation
-from dha_train.algorithms.head_fusion import HeadFusion
-from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
-from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
+import importlib
+import pkgutil
 
-__all__ = ['Distillation', 'HeadFusion', 'KVHeadTransfer', 'MixtureOfHeads']
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f'{__name__}.{_module.name}')

@@ -19,8 +19,12 @@ from typing import Any, Optional
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
+from transformers import AutoModelForCausalLM
 
+import dha_train.models  # noqa: F401  (registers the DHA and MoH classes, should the teacher be one)
 from dha_train import registry
+from dha_train.distributed import shard_like
+from dha_train.errors import InputNotFoundError
 from dha_train.ops.distill import bild_loss, kl_loss
 
 
@@ -32,7 +36,7 @@ class Distillation(Algorithm):
         if temperature <= 0 or top_k < 2:
             raise ValueError(f'distillation: temperature must be > 0 and top_k >= 2, got {temperature} and {top_k}')
         if not (Path(teacher_path) / 'config.json').is_file():
-            raise FileNotFoundError(f'distillation: teacher_path {teacher_path} is not an HF model folder '
+            raise InputNotFoundError(f'distillation: teacher_path {teacher_path} is not an HF model folder '
                                     '(no config.json)')
         self.teacher_path = teacher_path
         self.kl_weight, self.bild_weight, self.lm_weight = kl_weight, bild_weight, lm_weight
@@ -45,10 +49,6 @@ class Distillation(Algorithm):
         return event in (Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
 
     def _load_teacher(self, state: State) -> None:
-        from transformers import AutoModelForCausalLM
-
-        import dha_train.models  # noqa: F401  (registers the DHA classes, should the teacher be one)
-
         # Building the model draws random initial weights before loading; forking keeps those draws out of the
         # training RNG streams, so a resumed run (which loads the teacher again, mid-run) continues exactly.
         with torch.random.fork_rng():
@@ -59,15 +59,7 @@ class Distillation(Algorithm):
             raise ValueError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '
                              f'{student_config.vocab_size}')
         teacher.requires_grad_(False).eval()
-        mesh = _student_mesh(state.model)
-        teacher = state.device.module_to_device(teacher)
-        if mesh is not None:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in teacher.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(teacher, mesh=mesh)
-        self.teacher = teacher
+        self.teacher = shard_like(state.device.module_to_device(teacher), state.model)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.FIT_START:
@@ -93,16 +85,4 @@ class Distillation(Algorithm):
         return {}  # the teacher is a fixed input, not training state
 
 
-def _student_mesh(model: torch.nn.Module):
-    """The device mesh FSDP2 sharded the student's parameters on, or None when they are not sharded."""
-    from torch.distributed.tensor import DTensor
-
-    for parameter in model.parameters():
-        if isinstance(parameter, DTensor):
-            return parameter.device_mesh
-    return None
-
-
-@registry.algorithms.register('distillation')
-def _distillation(**kwargs) -> Distillation:
-    return Distillation(**kwargs)
+registry.algorithms.register('distillation', Distillation)

@@ -29,17 +29,25 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from dha_train import registry
-from dha_train.models.fusion import FusedProjection, unsharded
+from dha_train.distributed import unsharded
+from dha_train.methods import tag_method
+from dha_train.models.fusion import FusedProjection
 from dha_train.models.head_map import HeadMap
-from dha_train.ops.fusion import (dual_ascent, fusion_margin, group_members, groups_of, head_distances,
-                                  lagrangian_penalty, progressive_sizes, split_into_subgroups)
+from dha_train.models.llama_layout import attention_modules, head_dim, hf_model
+from dha_train.ops.fusion import (
+    dual_ascent,
+    fusion_margin,
+    group_members,
+    groups_of,
+    head_distances,
+    lagrangian_penalty,
+    progressive_sizes,
+    split_into_subgroups,
+)
 from dha_train.ops.grouping import Partition, neighbour_groups
+from dha_train.optim import add_param_group
 
 OMEGA_GROUP = 'fusion_omega'
-
-
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    return model if hasattr(model, 'lm_head') else model.model
 
 
 class HeadFusion(Algorithm):
@@ -59,6 +67,8 @@ class HeadFusion(Algorithm):
             raise ValueError('head_fusion: threshold and omega_lr must be > 0; lambda_lr, rho and '
                              'margin_warmup_steps >= 0')
         self.head_map_path, self.warmup_groups = head_map, warmup_groups
+        # Read now, so a missing or malformed head map fails with the recipe's other errors, before any launch.
+        self.head_map = HeadMap.load(head_map) if head_map is not None else None
         self.omega_lr, self.lambda_lr, self.rho = omega_lr, lambda_lr, rho
         self.margin_base, self.margin_warmup_steps = margin_base, margin_warmup_steps
         self.threshold, self.stop_at_threshold = threshold, stop_at_threshold
@@ -82,27 +92,23 @@ class HeadFusion(Algorithm):
         if self.head_map_path is None:
             groups = neighbour_groups(num_heads, self.warmup_groups)
             return [groups] * num_layers, [groups] * num_layers
-        from dha_train.convert import check_head_map_fits
-
-        head_map = HeadMap.load(self.head_map_path)
-        check_head_map_fits(head_map, config)
-        return [layer.key_groups() for layer in head_map.layers], [layer.value_groups() for layer in head_map.layers]
+        self.head_map.check_fits(config)
+        return ([layer.key_groups() for layer in self.head_map.layers],
+                [layer.value_groups() for layer in self.head_map.layers])
 
     def apply_surgery(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
-        from dha_train.calibration import attention_modules
-
-        hf_model = _hf_model(model)
-        config = hf_model.config
+        hf = hf_model(model)
+        config = hf.config
         if config.num_key_value_heads != config.num_attention_heads:
             raise ValueError('head_fusion: fusion starts from an MHA model (num_key_value_heads == num_attention_heads)')
         key_partitions, value_partitions = self.partitions(config)
-        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        width = head_dim(config)
         self.projections = []
-        for attn, key_groups, value_groups in zip(attention_modules(hf_model), key_partitions, value_partitions):
-            attn.k_proj = FusedProjection(attn.k_proj, group_members(key_groups, config.num_attention_heads), head_dim)
-            attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_attention_heads),
-                                          head_dim)
+        for attn, key_groups, value_groups in zip(attention_modules(hf), key_partitions, value_partitions):
+            attn.k_proj = FusedProjection(attn.k_proj, group_members(key_groups, config.num_attention_heads), width)
+            attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_attention_heads), width)
             self.projections.append((attn.k_proj, attn.v_proj))
+        tag_method(config, 'dha')  # the checkpoint exports by baking the fusion (dha_train.methods)
         if self.progressive:
             self._enter_stage(0)
         return [p.omega for pair in self.projections for p in pair]
@@ -186,8 +192,6 @@ class HeadFusion(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
-            from dha_train.train import add_param_group
-
             omegas = self.apply_surgery(state.model)
             for optimizer in state.optimizers:
                 add_param_group(optimizer, OMEGA_GROUP, omegas, lr=self.omega_lr, weight_decay=0.0)
@@ -244,6 +248,4 @@ class HeadFusion(Algorithm):
             self._point_projections_at_subgroups()
 
 
-@registry.algorithms.register('head_fusion')
-def _head_fusion(**kwargs) -> HeadFusion:
-    return HeadFusion(**kwargs)
+registry.algorithms.register('head_fusion', HeadFusion)

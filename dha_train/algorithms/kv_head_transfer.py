@@ -23,15 +23,15 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from dha_train import registry
+from dha_train.distributed import unsharded
+from dha_train.methods import tag_method
+from dha_train.models.llama_layout import attention_modules, head_dim, hf_model
 from dha_train.models.transfer import TransferProjection
 from dha_train.ops.hard_concrete import l0_loss, l0_target
+from dha_train.optim import add_param_group
 
 MASK_GROUP = 'transfer_masks'
 GROUP_HEADS_GROUP = 'transfer_group_heads'
-
-
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    return model if hasattr(model, 'lm_head') else model.model
 
 
 class KVHeadTransfer(Algorithm):
@@ -56,21 +56,20 @@ class KVHeadTransfer(Algorithm):
         self.generator = torch.Generator()  # gate noise, seeded from the run seed at INIT
 
     def apply_surgery(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        from dha_train.calibration import attention_modules
-
-        config = _hf_model(model).config
+        config = hf_model(model).config
         if config.num_key_value_heads != config.num_attention_heads:
             raise ValueError('kv_head_transfer: the transfer starts from an MHA model (num_key_value_heads == '
                              'num_attention_heads); align it first with `dha-train align`')
         if config.num_attention_heads % self.num_groups:
             raise ValueError(f'kv_head_transfer: num_groups {self.num_groups} must divide the '
                              f'{config.num_attention_heads} heads')
-        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        width = head_dim(config)
         self.projections = []
-        for attn in attention_modules(_hf_model(model)):
-            attn.k_proj = TransferProjection(attn.k_proj, self.num_groups, head_dim, self.init_log_alpha)
-            attn.v_proj = TransferProjection(attn.v_proj, self.num_groups, head_dim, self.init_log_alpha)
+        for attn in attention_modules(model):
+            attn.k_proj = TransferProjection(attn.k_proj, self.num_groups, width, self.init_log_alpha)
+            attn.v_proj = TransferProjection(attn.v_proj, self.num_groups, width, self.init_log_alpha)
             self.projections += [attn.k_proj, attn.v_proj]
+        tag_method(config, 'aligned_gqa')  # the checkpoint exports as the group heads alone (dha_train.methods)
         for projection in self.projections:
             projection.generator = self.generator
         return [p.log_alpha for p in self.projections], [p.group_weight for p in self.projections]
@@ -90,8 +89,6 @@ class KVHeadTransfer(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
-            from dha_train.train import add_param_group
-
             self.generator.manual_seed(state.rank_zero_seed)  # the same on every rank: the ranks sample alike
             masks, group_heads = self.apply_surgery(state.model)
             for optimizer in state.optimizers:
@@ -113,7 +110,7 @@ class KVHeadTransfer(Algorithm):
         self.history.append(record)
         fraction = float(state.get_elapsed_duration() or 0.0)
         if not self.frozen and fraction >= self.freeze_fraction:
-            self.forced_closed = sum(p.freeze(close=True) for p in self.projections)
+            self.forced_closed = sum(p.freeze(unsharded(p.log_alpha), close=True) for p in self.projections)
             self.frozen_at = int(state.timestamp.batch)
         logger.log_metrics({'transfer/density': density, 'transfer/target': self._target,
                             'transfer/frozen': float(self.frozen), 'transfer/forced_closed': self.forced_closed})
@@ -128,6 +125,4 @@ class KVHeadTransfer(Algorithm):
         self.generator.set_state(state['gate_rng'])
 
 
-@registry.algorithms.register('kv_head_transfer')
-def _kv_head_transfer(**kwargs) -> KVHeadTransfer:
-    return KVHeadTransfer(**kwargs)
+registry.algorithms.register('kv_head_transfer', KVHeadTransfer)

@@ -23,9 +23,13 @@ import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from dha_train import registry
+from dha_train.methods import tag_method
+from dha_train.models.llama_layout import hf_model
 from dha_train.models.modeling_moh import ROUTERS, MohLlamaAttention, check_moh_settings
+from dha_train.optim import add_param_group
 
 ROUTER_GROUP = 'moh_router'
 SETTINGS = ('router', 'shared_heads', 'top_k')
@@ -33,10 +37,6 @@ SETTINGS = ('router', 'shared_heads', 'top_k')
 
 def _plain(value):
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    return model if hasattr(model, 'lm_head') else model.model
 
 
 class MixtureOfHeads(Algorithm):
@@ -69,9 +69,7 @@ class MixtureOfHeads(Algorithm):
     def apply_surgery(self, model: nn.Module, seed: int = 0) -> list[nn.Parameter]:
         """Swap every attention for MoH attention; returns the routers it created (none for query_norm, nor for a
         MoH checkpoint, whose routers the optimizer already holds)."""
-        from transformers.models.llama.modeling_llama import LlamaAttention
-
-        hf = _hf_model(model)
+        hf = hf_model(model)
         config = hf.config
         heads, layers = config.num_attention_heads, config.num_hidden_layers
         shared = heads // 2 if self.shared_heads is None else self.shared_heads
@@ -83,6 +81,7 @@ class MixtureOfHeads(Algorithm):
                 raise ValueError(f'mixture_of_heads: the model is already MoH with router, shared_heads, top_k = '
                                  f'{saved}; the recipe asks for {(self.router, shared, top_k)}')
         config.moh_router, config.moh_shared_heads, config.moh_top_k = self.router, shared, top_k
+        tag_method(config, 'moh')  # the checkpoint exports as the MoH model class (dha_train.methods)
 
         generator = torch.Generator().manual_seed(seed)
         routers = []
@@ -113,8 +112,6 @@ class MixtureOfHeads(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
-            from dha_train.train import add_param_group
-
             routers = self.apply_surgery(state.model, seed=state.rank_zero_seed)
             if routers:
                 options = {} if self.router_lr is None else {'lr': self.router_lr}

@@ -18,7 +18,7 @@ from composer.loggers import Logger
 
 from dha_train import registry
 from dha_train.algorithms.head_fusion import HeadFusion
-from dha_train.models.fusion import unsharded
+from dha_train.distributed import unsharded
 
 
 def self_weight(omega: torch.Tensor, members: torch.Tensor) -> float:

@@ -29,12 +29,13 @@ from composer.utils import dist
 
 from dha_train import registry
 from dha_train.algorithms.head_fusion import HeadFusion
-from dha_train.models.fusion import unsharded
+from dha_train.distributed import unsharded
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
-from dha_train.ops.budget import allocate_kv_heads, group_and_allocate
+from dha_train.ops.budget import allocate_kv_heads, group_and_allocate, whole_head_count
 from dha_train.ops.fusion import head_distances
 from dha_train.ops.grouping import within_group_score
 from dha_train.paths import refuse_nonempty, staged_folder
+from dha_train.plots import plot_head_similarity, plot_kv_allocation
 
 SEARCH_REPORT = 'search.json'
 DISTANCES_FILE = 'distances.pt'
@@ -43,12 +44,7 @@ KINDS = ('key', 'value')
 
 def total_heads_for_budget(kv_budget: float, num_layers: int, num_heads: int) -> int:
     """The K+V head total that ``kv_budget`` (a fraction of the MHA K+V heads) stands for; it must be whole."""
-    if not 0 < kv_budget <= 1:
-        raise ValueError(f'kv_budget must be in (0, 1], got {kv_budget}')
-    total = kv_budget * 2 * num_layers * num_heads
-    if abs(total - round(total)) > 1e-6:
-        raise ValueError(f'kv_budget {kv_budget} of {2 * num_layers * num_heads} K+V heads is not a whole number')
-    return int(round(total))
+    return whole_head_count(kv_budget, 2 * num_layers * num_heads)
 
 
 def summed_distance(similarity: torch.Tensor, partition) -> float:
@@ -168,8 +164,6 @@ class HeadSearch(Callback):
         self.result = self.search() if dist.get_global_rank() == 0 else {}
         if dist.get_global_rank() != 0:
             return
-        from dha_train.plots import plot_head_similarity, plot_kv_allocation
-
         head_map = HeadMap.from_dict(self.result['head_map'])
         num_layers = len(head_map.layers)
         weight, omega = self.mean_distances()

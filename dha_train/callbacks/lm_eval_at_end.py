@@ -13,19 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
+import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
+from dha_train.harness import EvalError, check_tasks, resolve_tasks, score_model
 
 
 class LmEvalAtEnd(Callback):
     def __init__(self, suite: Optional[str] = None, tasks: Optional[Sequence[str]] = None,
                  num_fewshot: Optional[int] = None, limit: Optional[float] = None, include: Sequence[str] = (),
                  batch_size: int = 8):
-        from dha_train.evaluation import EvalError, resolve_tasks
-
         self.chosen = resolve_tasks(suite, list(tasks) if tasks else None, num_fewshot)
         if limit is not None and limit <= 0:
             raise EvalError(f'lm_eval_at_end: limit must be > 0, got {limit}')
@@ -33,15 +33,9 @@ class LmEvalAtEnd(Callback):
         self.scores: dict[str, dict[str, float]] = {}
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        from dha_train.evaluation import check_tasks
-
         check_tasks(self.chosen, self.include)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        import torch
-
-        from dha_train.evaluation import score_model
-
         composer_model = state.model
         model = composer_model.model
         device = str(next(model.parameters()).device)

@@ -20,12 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
+from dha_train.plots import _pyplot, plot_head_load
 
 
 class MohMonitor(Callback):
@@ -53,8 +55,6 @@ class MohMonitor(Callback):
         routed = [load[layer, attn.shared_heads:] for layer, attn in enumerate(self._moh.attentions)]
         routed = [row for row in routed if row.numel()]
         if routed:
-            import torch
-
             every = torch.cat(routed)
             metrics.update({'moh/load_min': float(every.min()), 'moh/load_max': float(every.max()),
                             'moh/load_std': float(every.std()) if every.numel() > 1 else 0.0})
@@ -79,8 +79,6 @@ class MohMonitor(Callback):
             self.plot(state, logger)
 
     def plot(self, state: State, logger: Logger) -> None:
-        from dha_train.plots import _pyplot, plot_head_load
-
         batch = self._plotted_batch = int(state.timestamp.batch)
         if dist.get_global_rank() != 0:
             return

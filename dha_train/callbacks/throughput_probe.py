@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
@@ -21,8 +22,6 @@ class ThroughputProbe(Callback):
         self._end: tuple[float, int, int] | None = None
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # a GPU runs ahead of the host: time finished work, not queued work
         mark = (time.perf_counter(), int(state.timestamp.token), int(state.timestamp.batch))

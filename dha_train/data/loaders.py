@@ -17,7 +17,7 @@ import torch
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
 from dha_train.data.prep import MANIFEST_NAME, TOKENS_COLUMN, read_manifest
-
+from dha_train.data.tokenizer import tokenizer_fingerprint
 
 
 def collate_tokens(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -40,8 +40,6 @@ def domains_with_split(root: str, split: str) -> list[str]:
 
 def check_data_matches_model(root: str, *, vocab_size: int, max_seq_len: int, where: str, tokenizer=None) -> None:
     """Fail early on a tokenizer/vocab or sequence-length mismatch between the data and the model."""
-    from dha_train.data.tokenizer import tokenizer_fingerprint
-
     if not (Path(root) / MANIFEST_NAME).is_file():
         return  # MDS written by another tool: nothing to compare against
     manifest = read_manifest(root)

@@ -13,7 +13,6 @@ is cut into samples of exactly ``seq_len`` tokens, and the final partial buffer 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gzip
 import io
@@ -36,6 +35,7 @@ import zstandard
 
 from dha_train.data.domains import DOMAINS, domain_of
 from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from dha_train.errors import DhaTrainError, InputNotFoundError
 
 SPLITS = ('train', 'val')
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
@@ -50,7 +50,7 @@ _BATCH_CHARS = 4 << 20
 _QUOTED_BAD_LINES = 5
 
 
-class DataPrepError(ValueError):
+class DataPrepError(DhaTrainError, ValueError):
     """Bad input to data prep: the message names the file (and line) or option at fault."""
 
 
@@ -115,7 +115,7 @@ def iter_texts(path: str | Path, skip_bad_lines: bool = False, bad_lines: list[i
                     text = _text_of(line)
                 except ValueError as exc:
                     if not skip_bad_lines:
-                        raise DataPrepError(f'{path}:{line_number}: {exc}; pass --skip-bad-lines to skip such lines')
+                        raise DataPrepError(f'{path}:{line_number}: {exc}; pass --skip-bad-lines to skip such lines') from exc
                     if bad_lines is not None:
                         bad_lines.append(line_number)
                     continue
@@ -523,43 +523,10 @@ def prep_redpajama(
 def read_manifest(out: str | Path) -> dict[str, Any]:
     path = Path(out) / MANIFEST_NAME
     if not path.is_file():
-        raise FileNotFoundError(f'no {MANIFEST_NAME} in {out}: not a folder written by `dha-train data prep`')
+        raise InputNotFoundError(f'no {MANIFEST_NAME} in {out}: not a folder written by `dha-train data prep`')
     return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line: `dha-train data prep ...`
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def add_prep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument('--input', nargs='+', required=True, metavar='PATH',
-                        help='RedPajama folders (searched recursively) and/or .jsonl/.jsonl.gz/.jsonl.zst files')
-    parser.add_argument('--out', required=True, help='output folder: <out>/<domain>/{train,val}/ + manifest.json')
-    parser.add_argument('--tokenizer', required=True, help='local HF tokenizer folder')
-    parser.add_argument('--seq-len', type=int, required=True, help='tokens per packed sample')
-    parser.add_argument('--val-tokens', type=int, default=0,
-                        help='val tokens per domain, taken from the start of its first file (default: 0, no val)')
-    parser.add_argument('--workers', type=int, default=default_workers(),
-                        help='processes, one input file each at a time (default: %(default)s)')
-    parser.add_argument('--overwrite', action='store_true', help='replace a non-empty --out')
-    parser.add_argument('--skip-bad-lines', action='store_true',
-                        help='skip malformed JSON lines (counted in the manifest) instead of stopping')
-    parser.add_argument('--domain', choices=DOMAINS, help='force this domain for every input file')
-    parser.add_argument('--compression', choices=('none', 'zstd'), default='none',
-                        help='MDS shard compression (default: %(default)s)')
-    return parser
-
-
-def run_prep_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``prep_redpajama`` from parsed ``add_prep_arguments`` options and print a per-domain summary."""
-    manifest = prep_redpajama(
-        args.input, args.out, args.tokenizer, args.seq_len, val_tokens=args.val_tokens, workers=args.workers,
-        overwrite=args.overwrite, skip_bad_lines=args.skip_bad_lines, domain=args.domain,
-        compression=None if args.compression == 'none' else args.compression,
-    )
-    print(f'wrote {args.out} (seq_len {manifest["seq_len"]}, {manifest["token_dtype"]} tokens)')
-    for name, entry in manifest['domains'].items():
-        splits = ', '.join(f'{s} {entry[s]["samples"]:,} samples' for s in SPLITS if s in entry)
-        print(f'  {name:<14} {entry["files"]:>5} files {entry["documents"]:>10,} docs  {splits}')
-    return manifest

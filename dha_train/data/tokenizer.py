@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from dha_train.errors import InputNotFoundError
+
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
 
 
@@ -48,7 +50,7 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f'tokenizer folder not found: {path} (pass a local HF tokenizer folder)')
+        raise InputNotFoundError(f'tokenizer folder not found: {path} (pass a local HF tokenizer folder)')
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises several types here; all mean "not a usable tokenizer folder"

@@ -1,11 +1,13 @@
-"""Models: HF LLaMA builders and Composer wrappers.
+"""Models: the head map, the LLaMA layout helpers, and one self-contained HF modeling file per architecture.
 
-Importing this package registers the DHA and MoH models with the transformers Auto classes, so exported folders load
-with plain ``AutoModelForCausalLM.from_pretrained(dir)`` (no ``trust_remote_code``).
+Importing this package registers every ``modeling_*.py`` file's classes with the transformers Auto classes (each
+file's ``register_auto_classes()``), so exported folders load with plain ``AutoModelForCausalLM.from_pretrained(dir)``
+(no ``trust_remote_code``). A new architecture only adds its modeling file here.
 """
 
-from dha_train.models.modeling_dha import register_dha_auto_classes
-from dha_train.models.modeling_moh import register_moh_auto_classes
+import importlib
+import pkgutil
 
-register_dha_auto_classes()
-register_moh_auto_classes()
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name.startswith('modeling_'):
+        importlib.import_module(f'{__name__}.{_module.name}').register_auto_classes()

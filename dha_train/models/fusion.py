@@ -49,12 +49,3 @@ class FusedProjection(nn.Module):
     def extra_repr(self) -> str:
         return (f'in_features={self.in_features}, out_features={self.out_features}, '
                 f'group_size={self.members.shape[1]}')
-
-
-def unsharded(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter or buffer, gathered when FSDP2 holds it as a sharded DTensor (a collective:
-    every rank must call it in the same order)."""
-    from torch.distributed.tensor import DTensor
-
-    tensor = tensor.detach()
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dha_train.errors import DhaTrainError
+from dha_train.models.llama_layout import head_dim as config_head_dim
+
 Partition = Sequence[Sequence[int]]
 HEAD_MAP_FILE = 'head_map.json'  # saved beside every converted or exported head-mapped model
 
 
-class HeadMapError(ValueError):
+class HeadMapError(DhaTrainError, ValueError):
     """An invalid head map, with the layer and the problem in the message."""
 
 
@@ -114,6 +117,15 @@ class HeadMap:
         return cls(tuple(LayerHeadMap(mapping, mapping) for _ in range(num_layers)), head_dim)
 
     @classmethod
+    def from_hf_config(cls, config) -> HeadMap:
+        """The map an HF config serves: its ``head_map`` (DHA-style configs carry one), else standard GQA (MHA when
+        ``num_key_value_heads`` equals the query heads)."""
+        if getattr(config, 'head_map', None) is not None:
+            return cls.from_dict(config.head_map)
+        num_kv_heads = getattr(config, 'num_key_value_heads', None) or config.num_attention_heads
+        return cls.gqa(config.num_hidden_layers, config.num_attention_heads, num_kv_heads, config_head_dim(config))
+
+    @classmethod
     def from_partitions(cls, partitions: Sequence[Partition], num_heads: int, head_dim: int) -> HeadMap:
         """One partition of the query heads per layer, shared by K and V (group sizes may differ: AsymGQA)."""
         layers = []
@@ -165,6 +177,18 @@ class HeadMap:
             return None
         expected = HeadMap.gqa(1, self.num_query_heads, groups, self.head_dim).layers[0]
         return groups if all(layer == expected for layer in self.layers) else None
+
+    def check_fits(self, config) -> None:
+        """Raise ``HeadMapError`` naming every mismatch when this map cannot serve a model of ``config``."""
+        problems = []
+        if self.num_layers != config.num_hidden_layers:
+            problems.append(f'{self.num_layers} layers vs num_hidden_layers={config.num_hidden_layers}')
+        if self.num_query_heads != config.num_attention_heads:
+            problems.append(f'{self.num_query_heads} query heads vs num_attention_heads={config.num_attention_heads}')
+        if self.head_dim != config_head_dim(config):
+            problems.append(f'head_dim {self.head_dim} vs the model head_dim {config_head_dim(config)}')
+        if problems:
+            raise HeadMapError('head map does not fit the model: ' + '; '.join(problems))
 
     # --- permutation --------------------------------------------------------------------------------------------
 

@@ -205,7 +205,7 @@ DhaLlamaConfig.register_for_auto_class()
 DhaLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
-def register_dha_auto_classes() -> None:
+def register_auto_classes() -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``dha_llama`` folders without ``trust_remote_code``."""
     AutoConfig.register(DhaLlamaConfig.model_type, DhaLlamaConfig, exist_ok=True)
     AutoModelForCausalLM.register(DhaLlamaConfig, DhaLlamaForCausalLM, exist_ok=True)

@@ -411,7 +411,7 @@ MohLlamaConfig.register_for_auto_class()
 MohLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
-def register_moh_auto_classes() -> None:
+def register_auto_classes() -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``moh_llama`` folders without ``trust_remote_code``."""
     AutoConfig.register(MohLlamaConfig.model_type, MohLlamaConfig, exist_ok=True)
     AutoModelForCausalLM.register(MohLlamaConfig, MohLlamaForCausalLM, exist_ok=True)

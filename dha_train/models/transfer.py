@@ -52,13 +52,12 @@ class TransferProjection(nn.Module):
             return self.frozen_gates
         return sample_gates(self.log_alpha, self.generator) if self.training else deterministic_gates(self.log_alpha)
 
-    def freeze(self, close: bool = True) -> int:
-        """Fix the gates at their deterministic values; with ``close``, every gate that is not yet 0 is set to 0 (the
+    def freeze(self, log_alpha: torch.Tensor, close: bool = True) -> int:
+        """Fix the gates at their deterministic values for ``log_alpha`` (this projection's whole gate logits: the
+        caller gathers them when FSDP2 shards them); with ``close``, every gate that is not yet 0 is set to 0 (the
         transfer's end point). Returns how many gates had to be closed by force."""
-        from dha_train.models.fusion import unsharded
-
-        with torch.no_grad():  # unsharded: a collective under FSDP2, every rank freezes at the same batch
-            gates = deterministic_gates(unsharded(self.log_alpha).float()).to(self.frozen_gates.device)
+        with torch.no_grad():
+            gates = deterministic_gates(log_alpha.float()).to(self.frozen_gates.device)
             forced = int((gates > 0).sum())
             self.frozen_gates.copy_(torch.zeros_like(gates) if close else gates)
         return forced

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from dha_train.ops.grouping import anneal_equal_groups_batch
+
 KEY, VALUE = 0, 1
 KINDS = (KEY, VALUE)
 CostFn = Callable[[int, int, int], float]
@@ -29,6 +31,17 @@ def divisors(n: int) -> list[int]:
     if n < 1:
         raise ValueError(f'need a positive integer, got {n}')
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def whole_head_count(fraction: float, heads: int, what: str = 'kv_budget') -> int:
+    """``fraction`` of ``heads`` as a whole number of heads; a fraction in (0, 1] that does not give one (within
+    1e-6) is refused, naming ``what``."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f'{what} must be in (0, 1], got {fraction}')
+    count = fraction * heads
+    if abs(count - round(count)) > 1e-6:
+        raise ValueError(f'{what} {fraction} of {heads} heads is not a whole number of heads ({count:g})')
+    return int(round(count))
 
 
 def _cost_fn(cost: Any) -> CostFn:
@@ -129,8 +142,6 @@ def group_and_allocate(similarities: Any, num_layers: int, num_heads: int, total
     grouped by annealing at every allowed count; ``group_cost(matrix, partition)`` prices that best grouping, and
     ``allocate_kv_heads`` picks the counts. Returns (key partitions, value partitions, cost table).
     """
-    from dha_train.ops.grouping import anneal_equal_groups_batch
-
     counts = _allowed_counts(num_heads, allowed)
     if len(similarities) != 2 * num_layers:
         raise ValueError(f'expected {2 * num_layers} matrices (K then V for {num_layers} layers), got {len(similarities)}')

@@ -12,9 +12,9 @@ def main(recipe: str, out: str) -> None:
     from composer.utils import dist, reproducibility
 
     from dha_train.algorithms.head_fusion import HeadFusion
+    from dha_train.builders import build_llama
     from dha_train.config import load_config
     from dha_train.models.fusion import FusedProjection
-    from dha_train.models.llama import build_llama
     from dha_train.train import build_trainer
 
     config = load_config(recipe)

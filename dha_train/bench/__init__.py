@@ -1,1 +1,0 @@
-"""Benchmarks behind `dha-train bench ...`; each prints ratios measured within one run."""

@@ -1,0 +1,76 @@
+"""Build a run's HF LLaMA (from a local checkpoint or from a config) and wrap it as a Composer model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from composer.models import HuggingFaceModel
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with the transformers Auto classes)
+from dha_train import methods
+from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
+from dha_train.models.llama_layout import is_decoder_block
+
+
+def build_llama_config(cfg: ModelConfig):
+    """The LlamaConfig of a run: the pretrained folder's config (if any) with ``cfg.config`` applied on top."""
+    check_llama_config_keys(cfg.config)
+    if cfg.pretrained_path is not None:
+        path = Path(cfg.pretrained_path)
+        if not (path / 'config.json').is_file():
+            raise ConfigError(f'model.pretrained_path: no HF config.json in {path} (give a local HF model folder)')
+        llama_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if llama_config.model_type not in methods.trainable_model_types():
+            raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; dha_train "
+                              f"trains {', '.join(methods.trainable_model_types())} models")
+        for key, value in cfg.config.items():
+            setattr(llama_config, key, value)
+    else:
+        if not cfg.config:
+            raise ConfigError('model: give model.pretrained_path (a local HF folder) or model.config (LlamaConfig fields)')
+        llama_config = LlamaConfig(**cfg.config)
+    if llama_config.hidden_size % llama_config.num_attention_heads:
+        raise ConfigError(f'model.config: hidden_size={llama_config.hidden_size} is not divisible by '
+                          f'num_attention_heads={llama_config.num_attention_heads}')
+    llama_config._attn_implementation = cfg.attn_implementation
+    return llama_config
+
+
+def build_llama(cfg: ModelConfig):
+    """A ``LlamaForCausalLM`` (or the DHA / MoH class of a method's export) in fp32; Composer's autocast gives bf16
+    compute on GPU."""
+    llama_config = build_llama_config(cfg)
+    if cfg.attn_implementation == 'flash_attention_2':
+        try:
+            import flash_attn  # noqa: F401  (an optional extra: only its presence is checked)
+        except ImportError as exc:
+            raise ConfigError("model.attn_implementation 'flash_attention_2' needs the optional extra: "
+                              "pip install 'dha_train[gpu]'") from exc
+    if cfg.pretrained_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, config=llama_config,
+                                                     local_files_only=True, torch_dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(llama_config, torch_dtype=torch.float32)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    # FSDP2 shards each decoder layer as its own unit (and the rest of the model as the root unit).
+    model.fsdp_wrap_fn = is_decoder_block
+    return model
+
+
+def wrap_composer(model, tokenizer=None) -> HuggingFaceModel:
+    """Composer's HF wrapper: the loss is HF's, metrics are token cross-entropy and perplexity.
+
+    The tokenizer travels inside every checkpoint's metadata, so export needs nothing else.
+    """
+    return HuggingFaceModel(
+        model,
+        tokenizer=tokenizer,
+        use_logits=True,
+        shift_labels=True,
+        metrics=[LanguageCrossEntropy()],
+        eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
+    )

@@ -1,0 +1,183 @@
+"""`dha-train align`: the transform stage of aligned GQA (seed 001 sections 3.3-3.4, Alg. 1 and 2).
+
+From an MHA LLaMA folder and calibration data:
+
+1. calibrate K (before RoPE) and V on N tokens, keeping each layer's Gram of the raw caches and of the rows scaled to
+   unit norm per head;
+2. measure every head pair's similarity after its optimal alignment (``ops.alignment.aligned_similarity``: cos or
+   dist; values: any orthogonal map, keys: rotations in RoPE's planes), for keys and for values;
+3. group each layer's heads into ``num_groups`` equal groups by the key or the value similarity (annealing, Eq. 23-24);
+4. align the heads inside each group by generalised Procrustes, K and V separately, and fold the maps into
+   q/k and v/o projections (the model is unchanged);
+5. permute the heads so that each group is contiguous (Q/K/V rows, O columns; unchanged again).
+
+It writes an MHA folder that computes what the input computes, with a contiguous GQA head map beside it
+(``target_head_map.json``: mean-pooling by it gives standard HF GQA, the ``KVHeadTransfer`` starting point) and
+``alignment.json`` (groups, similarities, within-group cache cosine before and after alignment, timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import LlamaConfig
+
+from dha_train.calibration import calibrate, calibration_batches, load_mha_model
+from dha_train.config import ConfigError
+from dha_train.errors import InputNotFoundError
+from dha_train.models.head_map import HeadMap
+from dha_train.models.llama_layout import head_dim as config_head_dim
+from dha_train.ops.alignment import align_llama_state_dict, aligned_similarity, group_maps, within_group_cosine
+from dha_train.ops.grouping import anneal_equal_groups_batch, within_group_score
+from dha_train.ops.heads import permute_llama_state_dict
+from dha_train.paths import refuse_nonempty, staged_folder
+
+ALIGNMENT_REPORT = 'alignment.json'
+# The GQA map the aligned model is to be merged to. Not head_map.json: that name marks a folder as a head-mapped
+# (DHA) model, and this folder still holds the MHA model.
+TARGET_MAP_FILE = 'target_head_map.json'
+CRITERIA = ('cos', 'dist')
+GROUP_BY = ('key', 'value')
+
+
+@dataclass
+class AlignSettings:
+    num_groups: int  # K/V heads per layer after merging (GQA-<num_groups>)
+    criterion: str = 'cos'  # 'cos' (unit rows, mean cosine) or 'dist' (raw rows, minus mean squared distance)
+    group_by: str = 'value'  # which similarity the groups maximise: 'key' or 'value'
+    data: Optional[str] = None
+    split: str = 'train'
+    tokens: int = 16384
+    batch_size: int = 8
+    restarts: int = 8
+    steps: Optional[int] = None
+    seed: int = 0
+    device: str = 'cpu'
+
+
+def _check(settings: AlignSettings, num_heads: int) -> None:
+    if settings.criterion not in CRITERIA:
+        raise ConfigError(f"align: criterion must be one of {', '.join(CRITERIA)}, got '{settings.criterion}'")
+    if settings.group_by not in GROUP_BY:
+        raise ConfigError(f"align: group_by must be one of {', '.join(GROUP_BY)}, got '{settings.group_by}'")
+    if settings.num_groups < 1 or num_heads % settings.num_groups:
+        raise ConfigError(f'align: num_groups {settings.num_groups} must divide the {num_heads} heads per layer')
+    if settings.data is None or not Path(settings.data).is_dir():
+        raise InputNotFoundError(f'align: calibration data folder {settings.data} does not exist')
+    if settings.tokens < 1:
+        raise ConfigError(f'align: tokens must be positive, got {settings.tokens}')
+
+
+def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSettings, *, overwrite: bool = False) -> dict:
+    """Align and regroup the MHA LLaMA in ``model_dir``; write the aligned MHA folder to ``out_dir``."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / 'config.json').is_file():
+        raise InputNotFoundError(f'no HF config.json in {model_dir}')
+    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    num_heads = config.num_attention_heads
+    head_dim = config_head_dim(config)
+    _check(settings, num_heads)
+    refuse_nonempty(out_dir, overwrite)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    model = load_mha_model(model_dir, config, device=settings.device, who='align')
+    batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
+                                  batch_size=settings.batch_size, seed=settings.seed, who='align')
+    stats = calibrate(model, batches, num_tokens=settings.tokens,
+                      kinds=('key', 'value'), seed=settings.seed, unit_rows=True)
+    timings['calibration_s'] = time.perf_counter() - started
+
+    def gram(layer: int, kind: str, criterion: str) -> torch.Tensor:
+        kind_stats = stats.layer(layer, kind)
+        return kind_stats.unit_gram() if criterion == 'cos' else kind_stats.running.gram
+
+    t0 = time.perf_counter()
+    layers = range(config.num_hidden_layers)
+    similarity = {kind: [aligned_similarity(gram(layer, kind, settings.criterion), num_heads, kind,
+                                            settings.criterion, stats.tokens) for layer in layers]
+                  for kind in GROUP_BY}
+    timings['similarity_s'] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    partitions = anneal_equal_groups_batch(torch.stack(similarity[settings.group_by]), settings.num_groups,
+                                           restarts=settings.restarts, steps=settings.steps, seed=settings.seed)
+    timings['grouping_s'] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    maps = {kind: [group_maps(gram(layer, kind, settings.criterion), partitions[layer], kind) for layer in layers]
+            for kind in GROUP_BY}
+    timings['procrustes_s'] = time.perf_counter() - t0
+
+    report_layers = []
+    for layer in layers:
+        entry = {'groups': partitions[layer]}
+        for kind in GROUP_BY:
+            unit = stats.layer(layer, kind).unit_gram()
+            entry[f'{kind}_within_group_similarity'] = within_group_score(similarity[kind][layer], partitions[layer])
+            entry[f'{kind}_cosine_before'] = within_group_cosine(unit, partitions[layer], stats.tokens)
+            entry[f'{kind}_cosine_after'] = within_group_cosine(unit, partitions[layer], stats.tokens,
+                                                                maps[kind][layer])
+        report_layers.append(entry)
+
+    state_dict = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    state_dict = align_llama_state_dict(state_dict, maps['key'], maps['value'])
+    orders = [[head for group in partition for head in group] for partition in partitions]
+    state_dict = permute_llama_state_dict(state_dict, orders, head_dim)
+    model.load_state_dict(state_dict)
+    head_map = HeadMap.gqa(config.num_hidden_layers, num_heads, settings.num_groups, head_dim)
+    timings['total_s'] = time.perf_counter() - started
+
+    def mean_over_layers(key: str) -> float:
+        return sum(entry[key] for entry in report_layers) / len(report_layers)
+
+    report = {'model': str(model_dir), 'settings': asdict(settings), 'calibration_tokens': stats.tokens,
+              'num_heads': num_heads, 'head_dim': head_dim, 'head_order': orders,
+              'mean_cosine': {f'{kind}_{when}': mean_over_layers(f'{kind}_cosine_{when}')
+                              for kind in GROUP_BY for when in ('before', 'after')},
+              'layers': report_layers, 'timings': timings}
+    with staged_folder(out_dir, overwrite) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+            if (model_dir / name).is_file():
+                (staging / name).write_bytes((model_dir / name).read_bytes())
+        head_map.save(staging / TARGET_MAP_FILE)
+        (staging / ALIGNMENT_REPORT).write_text(json.dumps(report, indent=2) + '\n')
+        torch.save({kind: torch.stack(s) for kind, s in similarity.items()}, staging / 'aligned_similarity.pt')
+    return report
+
+
+def add_arguments(align: argparse.ArgumentParser) -> None:
+    defaults = AlignSettings(num_groups=1)
+    align.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
+    align.add_argument('out_dir', help='folder for the aligned MHA model, target_head_map.json and alignment.json')
+    align.add_argument('--num-groups', dest='num_groups', type=int, required=True,
+                       help='K/V heads per layer of the GQA model to be (GQA-<n>)')
+    align.add_argument('--criterion', choices=CRITERIA, default=defaults.criterion,
+                       help='cos: mean row cosine of unit-norm caches; dist: minus the mean squared distance')
+    align.add_argument('--group-by', dest='group_by', choices=GROUP_BY, default=defaults.group_by,
+                       help='group the heads by their key or by their value similarity after alignment')
+    align.add_argument('--data', required=True, help='calibration data: a `dha-train data prep` output root')
+    align.add_argument('--split', default=defaults.split)
+    align.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')
+    align.add_argument('--batch-size', dest='batch_size', type=int, default=defaults.batch_size)
+    align.add_argument('--restarts', type=int, default=defaults.restarts, help='annealing restarts')
+    align.add_argument('--steps', type=int, default=defaults.steps, help='annealing proposals per restart')
+    align.add_argument('--seed', type=int, default=defaults.seed)
+    align.add_argument('--device', default=defaults.device, help='cpu, cuda, cuda:1, ...')
+    align.add_argument('--overwrite', action='store_true')
+    align.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = AlignSettings(**{f.name: getattr(args, f.name) for f in fields(AlignSettings)})
+    report = run_align(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
+    cosine = report['mean_cosine']
+    print(f'dha-train align: wrote {args.out_dir} (GQA-{settings.num_groups} groups by {settings.group_by} '
+          f'{settings.criterion}; within-group cache cosine K {cosine["key_before"]:.3f} -> {cosine["key_after"]:.3f}, '
+          f'V {cosine["value_before"]:.3f} -> {cosine["value_after"]:.3f}; '
+          f'{report["timings"]["total_s"]:.1f} s)')
+    return 0

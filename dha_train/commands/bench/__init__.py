@@ -1,0 +1,105 @@
+"""`dha-train bench ...`: the benchmarks, each printing ratios measured in one run (CPU timings are noisy).
+
+- ``throughput``: training tokens/s, 1 process against 2 with FSDP2;
+- ``conversion``: DHA against mean-pool GQA, aligned GQA and AsymGQA on the quickstart teacher;
+- ``moh``: MoH decode attention and decode tokens/s against MHA, and continue-tuning the quickstart teacher;
+- ``search``: activation similarity and grouping at LLaMA-2-7B geometry.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
+from dha_train.commands.bench.conversion import run_conversion_bench
+from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
+from dha_train.commands.bench.moh import run_moh_bench
+from dha_train.commands.bench.search import run_search_bench
+from dha_train.commands.bench.throughput import run_throughput_bench
+from dha_train.commands.quickstart import add_teacher_argument
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bench = parser.add_subparsers(dest='bench_command', required=True)
+    throughput = bench.add_parser('throughput', help='training tokens/s: 1 process vs 2 processes with FSDP2')
+    throughput.add_argument('--models', nargs='+', default=['tiny', 'small'])
+    throughput.add_argument('--processes', nargs='+', type=int, default=[1, 2])
+    throughput.add_argument('--steps', type=int, default=12, help='timed batches per run (after warm-up)')
+    throughput.add_argument('--out', default=None, help='folder for the run logs and results.json')
+    throughput.set_defaults(func=run_throughput)
+    conversion = bench.add_parser('conversion', help='DHA vs mean-pool GQA at a 25%% KV budget on the quickstart '
+                                  'teacher: losses, GQA tokens to match DHA fusion, equal budgets, step-time ratios')
+    conversion.add_argument('--run', default='quickstart_run', help='quickstart run folder (finished stages reused)')
+    conversion.add_argument('--out', default=None, help='results folder (default: <run>/bench_conversion)')
+    conversion.add_argument('--gqa-multiple', dest='gqa_multiple', type=float, default=5.0,
+                            help='GQA CT length for the tokens-to-match measure, in multiples of the fusion tokens')
+    conversion.add_argument('--eval-every', dest='eval_every', type=int, default=10)
+    conversion.add_argument('--timing-batches', dest='timing_batches', type=int, default=20)
+    conversion.add_argument('--repeats', type=int, default=3, help='interleaved timing rounds (median reported)')
+    conversion.add_argument('--progressive', nargs='+', type=int, default=[2], metavar='SIZE',
+                            help='sub-group sizes of the progressive fusion compared with one-stage fusion (default 2)')
+    conversion.add_argument('--sections', nargs='+', default=list(CONVERSION_SECTIONS), choices=CONVERSION_SECTIONS,
+                            help='dha: DHA vs GQA (tokens to match, equal budgets, step times, progressive fusion); '
+                                 'aligned: aligned GQA cos/dist x key/value; asym: AsymGQA (default: all)')
+    add_teacher_argument(conversion)
+    conversion.set_defaults(func=run_conversion)
+    moh = bench.add_parser('moh', help='MoH: decode attention time and decode tokens/s at 90/75/50%% active heads '
+                           'against MHA; continue-tuning the quickstart teacher to 75%% active')
+    moh.add_argument('--sections', nargs='+', default=list(MOH_SECTIONS), choices=MOH_SECTIONS,
+                     help='attention: one decode step\'s attention; decode: greedy decode tokens/s; continue: '
+                          'yamls/moh/tiny/continue.yaml on the quickstart teacher (default: all)')
+    moh.add_argument('--seq-lens', dest='seq_lens', nargs='+', type=int, default=[256, 512, 2048])
+    moh.add_argument('--heads', type=int, default=32)
+    moh.add_argument('--head-dim', dest='head_dim', type=int, default=64)
+    moh.add_argument('--layers', type=int, default=2, help='layers of the decode model')
+    moh.add_argument('--calls', type=int, default=200, help='attention calls per timing round')
+    moh.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=16, help='tokens per decode round')
+    moh.add_argument('--repeats', type=int, default=7, help='interleaved timing rounds (median reported)')
+    moh.add_argument('--run', default='quickstart_run', help='quickstart run folder (finished stages reused)')
+    moh.add_argument('--steps', type=int, default=None, help='continue-tuning batches (default: the recipe\'s 120)')
+    moh.add_argument('--out', default=None, help='results folder (default: <run>/bench_moh with continue, else '
+                     'bench_moh)')
+    add_teacher_argument(moh)
+    moh.set_defaults(func=run_moh)
+    search_bench = bench.add_parser('search', help='activation similarity + grouping at LLaMA-2-7B geometry '
+                                    '(synthetic activations), with the anchors\' full-rescore annealing as reference')
+    search_bench.add_argument('--layers', type=int, default=32)
+    search_bench.add_argument('--heads', type=int, default=32)
+    search_bench.add_argument('--head-dim', dest='head_dim', type=int, default=128)
+    search_bench.add_argument('--tokens', type=int, default=16384, help='calibration tokens per layer')
+    search_bench.add_argument('--sample-tokens', dest='sample_tokens', type=int, default=256,
+                              help='token subsample for Eq. 1')
+    search_bench.add_argument('--groups', type=int, default=8, help='K (and V) heads per layer after grouping')
+    search_bench.add_argument('--restarts', type=int, default=8)
+    search_bench.add_argument('--steps', type=int, default=None, help='proposals per restart (default 100 x heads)')
+    search_bench.add_argument('--reference-matrices', dest='reference_matrices', type=int, default=None,
+                              help='matrices the reference anneals (default all: an equal number of proposals)')
+    search_bench.add_argument('--seed', type=int, default=0)
+    search_bench.add_argument('--out', default=None, help='folder for results.json')
+    search_bench.set_defaults(func=run_search_bench_args)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    run_throughput_bench(models=args.models, processes=args.processes, steps=args.steps, out=args.out)
+    return 0
+
+
+def run_conversion(args: argparse.Namespace) -> int:
+    run_conversion_bench(run=args.run, out=args.out, gqa_multiple=args.gqa_multiple, eval_every=args.eval_every,
+                         timing_batches=args.timing_batches, repeats=args.repeats, teacher=args.teacher,
+                         progressive_sizes=args.progressive, sections=args.sections)
+    return 0
+
+
+def run_moh(args: argparse.Namespace) -> int:
+    run_moh_bench(sections=args.sections, seq_lens=args.seq_lens, heads=args.heads, head_dim=args.head_dim,
+                  layers=args.layers, calls=args.calls, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                  run=args.run, steps=args.steps, out=args.out, teacher=args.teacher)
+    return 0
+
+
+def run_search_bench_args(args: argparse.Namespace) -> int:
+    run_search_bench(layers=args.layers, heads=args.heads, head_dim=args.head_dim, tokens=args.tokens,
+                     sample_tokens=args.sample_tokens, groups=args.groups, restarts=args.restarts, steps=args.steps,
+                     reference_matrices=args.reference_matrices, seed=args.seed, out=args.out)
+    return 0

@@ -1,0 +1,54 @@
+"""`dha-train data prep`: RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain (``data.prep``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dha_train.data.domains import DOMAINS
+from dha_train.data.prep import SPLITS, default_workers, prep_redpajama
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_subparsers(dest='data_command', required=True)
+    prep = data.add_parser('prep', help='RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain')
+    add_prep_arguments(prep)
+    prep.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_prep_from_args(args)
+    return 0
+
+
+def add_prep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument('--input', nargs='+', required=True, metavar='PATH',
+                        help='RedPajama folders (searched recursively) and/or .jsonl/.jsonl.gz/.jsonl.zst files')
+    parser.add_argument('--out', required=True, help='output folder: <out>/<domain>/{train,val}/ + manifest.json')
+    parser.add_argument('--tokenizer', required=True, help='local HF tokenizer folder')
+    parser.add_argument('--seq-len', type=int, required=True, help='tokens per packed sample')
+    parser.add_argument('--val-tokens', type=int, default=0,
+                        help='val tokens per domain, taken from the start of its first file (default: 0, no val)')
+    parser.add_argument('--workers', type=int, default=default_workers(),
+                        help='processes, one input file each at a time (default: %(default)s)')
+    parser.add_argument('--overwrite', action='store_true', help='replace a non-empty --out')
+    parser.add_argument('--skip-bad-lines', action='store_true',
+                        help='skip malformed JSON lines (counted in the manifest) instead of stopping')
+    parser.add_argument('--domain', choices=DOMAINS, help='force this domain for every input file')
+    parser.add_argument('--compression', choices=('none', 'zstd'), default='none',
+                        help='MDS shard compression (default: %(default)s)')
+    return parser
+
+
+def run_prep_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``prep_redpajama`` from parsed ``add_prep_arguments`` options and print a per-domain summary."""
+    manifest = prep_redpajama(
+        args.input, args.out, args.tokenizer, args.seq_len, val_tokens=args.val_tokens, workers=args.workers,
+        overwrite=args.overwrite, skip_bad_lines=args.skip_bad_lines, domain=args.domain,
+        compression=None if args.compression == 'none' else args.compression,
+    )
+    print(f'wrote {args.out} (seq_len {manifest["seq_len"]}, {manifest["token_dtype"]} tokens)')
+    for name, entry in manifest['domains'].items():
+        splits = ', '.join(f'{s} {entry[s]["samples"]:,} samples' for s in SPLITS if s in entry)
+        print(f'  {name:<14} {entry["files"]:>5} files {entry["documents"]:>10,} docs  {splits}')
+    return manifest

@@ -1,0 +1,170 @@
+"""`dha-train eval`: lm-evaluation-harness on any model the project exports, and its validation loss.
+
+``run_eval`` loads an HF folder (plain LLaMA, standard GQA, or a DHA / MoH folder with its modeling file, via
+``trust_remote_code``) or a Composer checkpoint (exported to a temporary HF folder first), wraps it in lm-eval's
+``HFLM`` and runs ``simple_evaluate`` once per few-shot count of the chosen tasks (``harness.score_model``). It
+prints a table, writes ``eval_results.json`` (scores, the model's KV-cache bytes per sequence, and the training
+tokens when the run folder says), and logs ``eval/<task>/<metric>`` to W&B when a project is given (offline works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import wandb
+from composer import Trainer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import dha_train.models  # noqa: F401  (DHA and MoH classes resolve without remote code too)
+from dha_train.builders import wrap_composer
+from dha_train.config import EvalLoaderConfig
+from dha_train.data.loaders import build_evaluators, check_data_matches_model
+from dha_train.export import export_hf
+from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_model
+from dha_train.methods import kv_cache_bytes
+from dha_train.stages import DONE_MARKER
+from dha_train.train import close_trainer
+
+
+def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
+    """(model, tokenizer) from an HF folder or a Composer checkpoint / save folder."""
+    path = Path(path)
+    if not path.exists():
+        raise EvalError(f'model not found: {path}')
+    with tempfile.TemporaryDirectory(prefix='dha-eval-') as scratch:
+        if not (path / 'config.json').is_file():  # a Composer checkpoint: export it first (removed after loading)
+            path = export_hf(path, Path(scratch) / 'hf')
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
+                                                     torch_dtype=getattr(torch, dtype)).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def _training_tokens(folder: Path) -> int | None:
+    """Tokens the model was trained on, when its folder records them (a dha_train stage's DONE.json)."""
+    for candidate in (folder / DONE_MARKER, folder.parent / DONE_MARKER):
+        if candidate.is_file():
+            tokens = json.loads(candidate.read_text()).get('tokens')
+            if tokens is not None:
+                return int(tokens)
+    return None
+
+
+def validation_loss(model, tokenizer, data_root: str | Path, batch_size: int = 8,
+                    device: str = 'cpu') -> dict[str, float]:
+    """Per-domain validation cross-entropy of a loaded HF model on a `dha-train data prep` folder (its val split),
+    through the same Composer evaluators as training, plus their mean."""
+    check_data_matches_model(str(data_root), vocab_size=model.config.vocab_size,
+                             max_seq_len=model.config.max_position_embeddings, where='--data', tokenizer=tokenizer)
+    evaluators = build_evaluators(EvalLoaderConfig(root=str(data_root)), device_batch_size=batch_size,
+                                  metric_names=['LanguageCrossEntropy'])
+    trainer = Trainer(model=wrap_composer(model, tokenizer), eval_dataloader=evaluators,
+                      device='gpu' if device.startswith('cuda') else 'cpu', progress_bar=False, log_to_console=False)
+    try:
+        trainer.eval()
+        losses = {label.removeprefix('eval_'): float(metrics['LanguageCrossEntropy'].compute())
+                  for label, metrics in trainer.state.eval_metrics.items()}
+    finally:
+        close_trainer(trainer)
+    return {**losses, 'mean': sum(losses.values()) / len(losses)}
+
+
+def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[str] | None = None,
+             num_fewshot: int | None = None, limit: float | None = None, include: Sequence[str | Path] = (),
+             out: str | Path | None = None, batch_size: int = 8, device: str = 'cpu', name: str | None = None,
+             wandb_project: str | None = None, wandb_mode: str = 'offline', wandb_dir: str | None = None,
+             data: str | Path | None = None, train_tokens: int | None = None, seed: int = 1234) -> dict:
+    """lm-eval scores of one model (and its validation loss on ``data``, a `dha-train data prep` folder), printed,
+    written to ``out``/eval_results.json and, with ``wandb_project``, logged to W&B."""
+    chosen = resolve_tasks(suite, tasks, num_fewshot)
+    if limit is not None and limit <= 0:
+        raise EvalError(f'--limit must be > 0, got {limit}')
+    if data is not None and not Path(data).is_dir():
+        raise EvalError(f'--data {data}: not a folder (give a `dha-train data prep` output with a val split)')
+    check_tasks(chosen, include)
+    model, tokenizer = load_model(model_path, device)
+    losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
+    scores = score_model(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
+                         device=device, seed=seed)
+    source = Path(model_path)
+    result = {'model': str(source.resolve()), 'name': name or source.name, 'suite': suite, 'limit': limit,
+              'scores': scores, 'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),
+              'model_type': model.config.model_type,
+              'train_tokens': train_tokens if train_tokens is not None else _training_tokens(source),
+              'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
+    out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+    print_scores(result)
+    if losses:
+        print(f"validation loss {losses['mean']:.4f} (" + ', '.join(f'{d} {v:.4f}' for d, v in losses.items()
+                                                             if d != 'mean') + ')')
+    if wandb_project:
+        log_to_wandb(result, wandb_project, wandb_mode, wandb_dir)
+    print(f'results: {out / RESULTS_FILE}')
+    return result
+
+
+def print_scores(result: dict) -> None:
+    print(f"\n{result['name']} ({result['model_type']}; KV cache {result['kv_cache_bytes_per_4096_tokens']:,} bytes "
+          'per 4096 tokens in bf16)')
+    print(f'{"task":<22} {"shots":>5} {"metric":>12} {"score":>8}')
+    for task, metrics in sorted(result['scores'].items()):
+        pick = headline(metrics)
+        if pick is not None:
+            print(f'{task:<22} {int(metrics["num_fewshot"]):>5} {pick[0]:>12} {pick[1]:>8.4f}')
+
+
+def log_to_wandb(result: dict, project: str, mode: str = 'offline', folder: str | None = None) -> None:
+    """One W&B run holding ``eval/<task>/<metric>`` (and the KV bytes), for the project's dashboards."""
+    if mode not in ('online', 'offline', 'disabled'):
+        raise EvalError(f"wandb mode must be online, offline or disabled, got '{mode}'")
+    run = wandb.init(project=project, name=f"eval-{result['name']}", mode=mode, dir=folder, job_type='eval',
+                     config={'model': result['model'], 'suite': result['suite'], 'limit': result['limit']},
+                     reinit=True)
+    metrics = {f'eval/{task}/{key}': value for task, values in result['scores'].items()
+               for key, value in values.items() if key != 'num_fewshot'}
+    metrics['eval/kv_cache_bytes_per_4096_tokens'] = result['kv_cache_bytes_per_4096_tokens']
+    if result.get('val_loss') is not None:
+        metrics['eval/val_loss'] = result['val_loss']
+    run.log(metrics)
+    run.finish()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('model', help='HF folder, Composer checkpoint, or save_folder (its latest checkpoint)')
+    parser.add_argument('--suite', default=None, choices=sorted(SUITES),
+                        help='a preset task list with each paper\'s shot counts')
+    parser.add_argument('--tasks', default=None, help='comma-separated lm-eval task names (instead of --suite)')
+    parser.add_argument('--num-fewshot', dest='num_fewshot', type=int, default=None,
+                        help='one shot count for every task (default: the suite\'s, or 0)')
+    parser.add_argument('--limit', type=float, default=None, help='examples per task (a fraction if < 1)')
+    parser.add_argument('--include', nargs='+', default=[], metavar='DIR',
+                        help='folders of extra lm-eval task YAMLs (the local task; standard tasks pointed at local '
+                             'data copies)')
+    parser.add_argument('--data', default=None, help='also the validation loss per domain on this `dha-train data '
+                        'prep` folder (its val split)')
+    parser.add_argument('--train-tokens', dest='train_tokens', type=int, default=None,
+                        help='training tokens to record for `compare` (default: from the stage folder if known)')
+    parser.add_argument('--out', default=None, help='results folder (default: <model>/eval)')
+    parser.add_argument('--name', default=None, help='run name in tables and W&B (default: the folder name)')
+    parser.add_argument('--batch-size', dest='batch_size', type=int, default=8)
+    parser.add_argument('--device', default='cpu', help='cpu, cuda, cuda:1, ...')
+    parser.add_argument('--wandb-project', dest='wandb_project', default=None, help='log the scores to W&B')
+    parser.add_argument('--wandb-mode', dest='wandb_mode', default='offline', choices=['online', 'offline'])
+    parser.add_argument('--wandb-dir', dest='wandb_dir', default=None)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    tasks = [t for t in args.tasks.split(',') if t] if args.tasks else None
+    run_eval(args.model, suite=args.suite, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+             include=args.include, out=args.out, batch_size=args.batch_size, device=args.device, name=args.name,
+             wandb_project=args.wandb_project, wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir, data=args.data,
+             train_tokens=args.train_tokens)
+    return 0

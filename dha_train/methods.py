@@ -1,0 +1,164 @@
+"""The conversion-method registry: everything a method adds to the common path, recorded in one place.
+
+A method turns a source LLaMA (MHA or GQA) into cheaper attention. For each one this records:
+
+- ``name``: the tag its training-time surgery writes into the HF config (``dha_train_method``) at ``Event.INIT``, so a
+  checkpoint says which method made it (``tag_method``);
+- ``algorithm``: the Composer algorithm (a ``dha_train.registry.algorithms`` name) that does that surgery, if any;
+- ``export``: ``(config, weights) -> (config, weights)``, the checkpoint of that surgery turned into the model it
+  stands for (DHA: fusion baked into compact heads; aligned GQA: the group heads only; MoH: the MoH class);
+- ``model_type``: the HF ``model_type`` of its exports. ``builders.build_llama_config`` accepts exactly the plain
+  LLaMA plus these as a starting point for further training (their classes are registered with the transformers
+  Auto classes by ``dha_train.models``);
+- ``kv_cache_bytes``: the KV-cache size of one of its models, from the HF config (default: the head map the config
+  serves, ``HeadMap.from_hf_config``).
+
+Adding a method adds one ``register(Method(...))`` below; see "Adding a method" in the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import LlamaConfig, PretrainedConfig
+
+from dha_train.errors import DhaTrainError
+from dha_train.models.head_map import HeadMap
+from dha_train.models.llama_layout import head_dim
+from dha_train.models.modeling_dha import DhaLlamaConfig
+from dha_train.models.modeling_moh import MohLlamaConfig
+from dha_train.models.transfer import transfer_to_gqa_state_dict
+from dha_train.ops.fusion import bake_llama_state_dict
+
+METHOD_TAG = 'dha_train_method'  # HF config attribute naming the method whose surgery a checkpoint holds
+BASE_MODEL_TYPE = 'llama'
+
+Weights = dict
+Export = Callable[[PretrainedConfig, Weights], tuple[PretrainedConfig, Weights]]
+
+
+class MethodError(DhaTrainError, ValueError):
+    """An unknown method tag, or a checkpoint its method cannot export."""
+
+
+def head_map_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
+    """K+V bytes of one sequence for any config that serves a head map (plain, GQA, DHA, AsymGQA, MoH)."""
+    return HeadMap.from_hf_config(config).kv_cache_bytes(1, seq_len, bytes_per_value)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    model_type: str = BASE_MODEL_TYPE
+    algorithm: str | None = None
+    export: Export | None = None
+    kv_cache_bytes: Callable[[PretrainedConfig, int, int], int] = head_map_kv_cache_bytes
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in _METHODS:
+        raise ValueError(f'method {method.name!r} is registered twice')
+    _METHODS[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    if name not in _METHODS:
+        raise MethodError(f"unknown conversion method '{name}' (known: {', '.join(sorted(_METHODS))})")
+    return _METHODS[name]
+
+
+def names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def trainable_model_types() -> list[str]:
+    """HF model types a run may start from: the plain LLaMA and every method's export."""
+    return sorted({BASE_MODEL_TYPE} | {method.model_type for method in _METHODS.values()})
+
+
+def tag_method(config: PretrainedConfig, name: str) -> None:
+    """Record in ``config`` (and so in every checkpoint) that ``name``'s surgery has been applied."""
+    get(name)
+    setattr(config, METHOD_TAG, name)
+
+
+def method_of(config: PretrainedConfig) -> Method | None:
+    """The method whose training-time surgery a checkpoint's config records, or None for a plain model."""
+    name = getattr(config, METHOD_TAG, None)
+    return None if name is None else get(name)
+
+
+def export_model(config: PretrainedConfig, weights: Weights) -> tuple[PretrainedConfig, Weights]:
+    """A checkpoint's (config, weights) -> the exportable model's: its method's export, or unchanged when the
+    checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked)."""
+    method = method_of(config)
+    if method is None or method.export is None:
+        config, weights = config, weights
+    else:
+        try:
+            config, weights = method.export(config, weights)
+        except ValueError as exc:
+            raise MethodError(f'{method.name} export: {exc}') from exc
+    if hasattr(config, METHOD_TAG):
+        delattr(config, METHOD_TAG)
+    return config, weights
+
+
+def kv_cache_bytes(config: PretrainedConfig, seq_len: int = 4096, bytes_per_value: int = 2) -> int:
+    """K+V bytes per sequence of ``seq_len`` tokens (bf16 by default) of any model the project trains or exports,
+    by the method whose exports have this ``model_type``."""
+    for method in _METHODS.values():
+        if method.model_type == config.model_type and method.model_type != BASE_MODEL_TYPE:
+            return method.kv_cache_bytes(config, seq_len, bytes_per_value)
+    return head_map_kv_cache_bytes(config, seq_len, bytes_per_value)
+
+
+# --- the methods ------------------------------------------------------------------------------------------------
+
+
+def _llama_settings(config: PretrainedConfig) -> dict:
+    """A config's fields without its class identity or method tag, to rebuild it as another LLaMA variant."""
+    return {k: v for k, v in config.to_dict().items()
+            if k not in ('model_type', 'architectures', 'auto_map', METHOD_TAG)}
+
+
+def _bake_fusion(config, weights):
+    """DHA Fusion (``HeadFusion``'s omega in the K/V projections): omega averaged within each group, one compact
+    K/V head per group (``ops.fusion.bake_llama_state_dict``), served by the DHA model."""
+    baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim(config))
+    head_map = HeadMap.dha(key_partitions, value_partitions, config.num_attention_heads, head_dim(config))
+    return DhaLlamaConfig(**{**_llama_settings(config), 'head_map': head_map.to_dict()}), baked
+
+
+def _keep_group_heads(config, weights):
+    """Aligned GQA's pruning run (``KVHeadTransfer``): with every gate frozen at 0, only the group heads remain, a
+    standard HF GQA model."""
+    weights, num_kv_heads = transfer_to_gqa_state_dict(weights, head_dim(config))
+    return LlamaConfig(**{**_llama_settings(config), 'num_key_value_heads': num_kv_heads}), weights
+
+
+def _as_moh_model(config, weights):
+    """MoH continue-tuning (``MixtureOfHeads``): the same weights (plus routers) under the MoH model class, whose
+    config carries the routing settings the algorithm wrote."""
+    if config.model_type == 'moh_llama':
+        return config, weights
+    return MohLlamaConfig(**_llama_settings(config)), weights
+
+
+register(Method('mean_pool', 'GQA baseline: mean-pool the K/V heads of each group (`dha-train convert`); '
+                'non-uniform or decoupled maps become a DHA model', model_type='dha_llama'))
+register(Method('asym_gqa', 'AsymGQA: activation-informed groups of unequal size (`dha-train search --method asym`), '
+                'served by the DHA model', model_type='dha_llama'))
+register(Method('dha', 'DHA: Search -> Fusion (head_fusion) -> baked compact heads', model_type='dha_llama',
+                algorithm='head_fusion', export=_bake_fusion))
+register(Method('aligned_gqa', 'Aligned GQA: Procrustes alignment (`dha-train align`), then L0 transfer '
+                '(kv_head_transfer) onto the group heads', model_type=BASE_MODEL_TYPE, algorithm='kv_head_transfer',
+                export=_keep_group_heads))
+register(Method('moh', 'MoH: shared + routed heads, continue-tuned from MHA (mixture_of_heads)',
+                model_type='moh_llama', algorithm='mixture_of_heads', export=_as_moh_model))

@@ -1,0 +1,114 @@
+"""Running recipes as stages inside one process, and reading what they logged.
+
+The quickstart, the benches and the tests run conversion recipes back to back in one process; these are the helpers
+they share: a stage folder that counts as finished only once its marker exists, one recipe run with an in-memory
+history, and the readings of that history (validation loss per domain, its mean, tokens trained).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from composer.core import Time
+from composer.loggers import InMemoryLogger
+
+from dha_train.config import TrainConfig, load_config
+from dha_train.paths import recipe_path
+from dha_train.train import close_trainer, train
+
+DONE_MARKER = 'DONE.json'
+
+
+class Stage:
+    """A stage directory that counts as finished only once its DONE marker (with the stage's result) exists."""
+
+    def __init__(self, run: Path, name: str):
+        self.dir = run / name
+        self.marker = self.dir / DONE_MARKER
+
+    def done(self) -> dict | None:
+        return json.loads(self.marker.read_text()) if self.marker.is_file() else None
+
+    def finish(self, result: dict) -> dict:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.marker.write_text(json.dumps(result, indent=2))
+        return result
+
+
+def history_from(logger: InMemoryLogger) -> dict:
+    """Train loss per batch and per-domain eval loss per evaluation, from Composer's in-memory logger."""
+    history: dict = {'train': [], 'eval': {}}
+    for timestamp, value in logger.data.get('loss/train/total', []):
+        history['train'].append([int(timestamp.batch), float(value)])
+    for key, points in logger.data.items():
+        if key.startswith('metrics/eval_') and key.endswith('/LanguageCrossEntropy'):
+            domain = key[len('metrics/eval_'):-len('/LanguageCrossEntropy')]
+            history['eval'][domain] = [[int(t.batch), float(v)] for t, v in points]
+    return history
+
+
+def train_recipe(config: TrainConfig, extra_callbacks=()) -> tuple:
+    """Train ``config`` in this process and close the trainer: (trainer, history from the in-memory logger)."""
+    memory = InMemoryLogger()
+    trainer = train(config, extra_loggers=[memory], extra_callbacks=extra_callbacks)
+    history = history_from(memory)
+    close_trainer(trainer)
+    return trainer, history
+
+
+def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extra_callbacks=(),
+                recipe_callbacks: bool = True) -> tuple:
+    """One recipe of ``yamls/`` in this process (one rank, no FSDP): (trainer, config, history).
+    ``recipe_callbacks=False`` drops the recipe's callbacks (for timing)."""
+    overrides = overrides + ['fsdp.enabled=false']
+    if max_batches is not None:
+        overrides.append(f'max_duration={max_batches}ba')
+    config = load_config(recipe_path(recipe), overrides)
+    if not recipe_callbacks:
+        config.callbacks = {}
+    trainer, history = train_recipe(config, extra_callbacks)
+    return trainer, config, history
+
+
+def mean_eval(history: dict, position: int) -> dict:
+    """Validation loss per domain at one evaluation (0: first, -1: last), with the mean over domains."""
+    losses = {domain: points[position][1] for domain, points in history['eval'].items()}
+    return {'batch': next(iter(history['eval'].values()))[position][0], 'per_domain': losses,
+            'mean': sum(losses.values()) / len(losses)}
+
+
+def mean_eval_curve(history: dict) -> list[tuple[int, float]]:
+    """(batch, validation loss averaged over the domains) at every evaluation."""
+    domains = list(history['eval'].values())
+    return [(points[0][0], sum(point[1] for point in points) / len(points)) for points in zip(*domains)]
+
+
+def train_tokens(config: TrainConfig, seq_len: int) -> int:
+    """Tokens a run of ``config`` trains on: its batches times the global batch times ``seq_len``."""
+    return Time.from_timestring(config.max_duration).value * config.global_train_batch_size * seq_len
+
+
+def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int, eval_every: int,
+             seq_len: int) -> dict:
+    """Continued pre-training of an HF folder with ``yamls/gqa/tiny_ct.yaml`` on ``data`` for ``batches``, started
+    fresh (a measurement never autoresumes a stale run): its validation curve, final loss and tokens."""
+    shutil.rmtree(work / name, ignore_errors=True)
+    _, config, history = train_stage('gqa/tiny_ct.yaml', [
+        f'variables.model_path={model}', f'variables.data_root={data}', f'variables.save_root={work}',
+        f'run_name={name}', f'max_duration={batches}ba', f'eval_interval={eval_every}ba', 'save_interval=100000ba'],
+        None)
+    if not history['eval']:
+        raise RuntimeError(f'{name}: no evaluation was logged')
+    return {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'],
+            'tokens': train_tokens(config, seq_len)}
+
+
+def validation_loss(data: Path, hf_folder: str | Path) -> float:
+    """Validation loss (mean over the domains of ``data``) of an HF folder: the first evaluation of a one-batch CT
+    run that saves nothing (any head-mapped or standard LLaMA folder)."""
+    _, _, history = train_stage('gqa/tiny_ct.yaml', [
+        f'variables.model_path={hf_folder}', f'variables.data_root={data}', 'eval_first=true',
+        'save_folder=null', 'autoresume=false', 'run_name=bench-eval'], 1)
+    return mean_eval(history, 0)['mean']

@@ -1,0 +1,112 @@
+"""Aligned GQA's pruning stage: KVHeadTransfer (hard-concrete gates moving the MHA K/V heads onto mean-pooled
+group heads) under Distillation from the MHA teacher, then export as standard HF GQA."""
+
+from __future__ import annotations
+
+import torch
+from helpers import SEQ_LEN, tiny_recipe
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dha_train.algorithms.distillation import Distillation
+from dha_train.algorithms.kv_head_transfer import MASK_GROUP, KVHeadTransfer
+from dha_train.models.transfer import TransferProjection
+
+BATCHES = 40
+
+
+def save_teacher(path):
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ_LEN)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def transfer_recipe(tmp_path, data_root, tokenizer_dir, **overrides):
+    teacher = save_teacher(tmp_path / 'mha')
+    recipe = tiny_recipe(data_root, tokenizer_dir, **{
+        'max_duration': f'{BATCHES}ba', 'seed': 5, 'optimizer': {'lr': 1.0e-3},
+        'scheduler': {'t_warmup': '2ba', 'alpha_f': 0.1},
+        'algorithms': {'kv_head_transfer': {'num_groups': 2, 'mask_lr': 1.0},
+                       'distillation': {'teacher_path': str(teacher), 'top_k': 8}}, **overrides})
+    recipe['model'] = {'pretrained_path': str(teacher), 'tokenizer': str(tokenizer_dir)}
+    return recipe
+
+
+def test_tiny_pruning_run_closes_every_gate_by_the_freeze_and_exports_equal_gqa(tmp_path, data_root,
+                                                                               tokenizer_dir):
+    from dha_train.config import load_config
+    from dha_train.export import export_hf
+    from dha_train.train import train
+
+    recipe = transfer_recipe(tmp_path, data_root, tokenizer_dir, save_folder=str(tmp_path / 'ckpt'),
+                             save_interval='1000ba')
+    trainer = train(load_config(recipe))
+    try:
+        state = trainer.state
+        transfer = next(a for a in state.algorithms if isinstance(a, KVHeadTransfer))
+        distill = next(a for a in state.algorithms if isinstance(a, Distillation))
+        history = transfer.history
+        assert len(history) == BATCHES
+        assert history[0]['density'] > 0.9 and history[0]['target'] == 1.0  # gates open: the MHA model
+        assert history[int(0.3 * BATCHES)]['target'] == 0.0
+        # Every gate reached 0 on its own before the freeze at 80% (nothing closed by force).
+        assert transfer.frozen_at == int(0.8 * BATCHES) and transfer.forced_closed == 0
+        assert history[-1]['frozen'] == 1.0
+        assert MASK_GROUP in [g.get('name') for g in state.optimizers[0].param_groups]
+        assert set(distill._terms) == {'lm', 'kl', 'bild'} and distill._terms['kl'] > 0
+        model = state.model.model.eval()
+        projections = [m for m in model.modules() if isinstance(m, TransferProjection)]
+        assert len(projections) == 4 and all(float(p.frozen_gates.abs().max()) == 0.0 for p in projections)
+        ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            masked = model(ids).logits
+    finally:
+        trainer.close()
+
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    gqa = LlamaForCausalLM.from_pretrained(out).eval()  # plain transformers, no remote code
+    assert gqa.config.num_key_value_heads == 2 and gqa.model.layers[0].self_attn.k_proj.out_features == 2 * 16
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(ids).logits, masked, rtol=0, atol=1e-5)
+
+
+def _transfer_state(save_folder):
+    from dha_train.export import load_composer_state, model_weights
+
+    state = load_composer_state(save_folder)
+    transfer = next(s for _, s in state['state']['algorithms'] if isinstance(s, dict) and 'forced_closed' in s)
+    return transfer, model_weights(state), int(state['state']['timestamp']['Timestamp']['batch'])
+
+
+def test_fsdp2_pruning_run_killed_and_resumed_keeps_its_masks_and_schedule(tmp_path, data_root, tokenizer_dir):
+    """Two processes (FSDP2, gloo; the teacher sharded like the student): SIGKILL after a checkpoint, auto-resume,
+    and the gates, the density/target history and every weight match an uninterrupted run bit for bit."""
+    from helpers import launch_and_kill_after_checkpoint, run_composer, write_recipe
+
+    batches, every = 20, 5
+    recipe = transfer_recipe(tmp_path, data_root, tokenizer_dir, max_duration=f'{batches}ba',
+                             save_interval=f'{every}ba', autoresume=True, run_name='transfer-resume',
+                             fsdp={'enabled': True, 'state_dict_type': 'sharded'})
+    recipe['algorithms']['kv_head_transfer']['freeze_fraction'] = 0.5  # freeze inside the run, after the kill
+    recipe_file = write_recipe(tmp_path / 'transfer.yaml', recipe)
+    done = run_composer(2, recipe_file, f'save_folder={tmp_path / "reference"}',
+                        log=tmp_path / 'reference.txt')
+    assert done.returncode == 0, (tmp_path / 'reference.txt').read_text()[-4000:]
+    resumed_from = launch_and_kill_after_checkpoint(recipe_file, tmp_path / 'ckpt',
+                                                    log=tmp_path / 'killed.txt', at_least=every)
+    assert resumed_from is not None and every <= resumed_from < batches * 0.5, resumed_from
+    done = run_composer(2, recipe_file, f'save_folder={tmp_path / "ckpt"}', log=tmp_path / 'resumed.txt')
+    text = (tmp_path / 'resumed.txt').read_text()
+    assert done.returncode == 0, text[-4000:]
+    assert f'starts at batch {resumed_from} of {batches}ba' in text and 'distill/bild' in text
+
+    ours, our_weights, our_batch = _transfer_state(tmp_path / 'ckpt')
+    reference, reference_weights, reference_batch = _transfer_state(tmp_path / 'reference')
+    assert our_batch == reference_batch == batches
+    assert ours['history'] == reference['history'] and len(ours['history']) == batches
+    assert ours['frozen_at'] == reference['frozen_at'] == batches // 2
+    gates = [name for name in reference_weights if name.endswith(('.log_alpha', '.frozen_gates'))]
+    assert len(gates) == 8
+    for name, tensor in reference_weights.items():
+        assert torch.equal(our_weights[name], tensor), f'{name} differs after resume'

@@ -1,0 +1,210 @@
+"""`dha-train eval` (lm-evaluation-harness on exported models, the offline local task, W&B) and `dha-train compare`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.commands.compare import compare
+from dha_train.commands.convert import convert_checkpoint
+from dha_train.commands.evaluate import run_eval
+from dha_train.harness import LOCAL_TASK, EvalError, build_local_task, resolve_tasks
+from dha_train.methods import kv_cache_bytes
+from dha_train.models.head_map import HeadMap
+
+WORDS = ('the module returns a value from each call and raises an error when the path does not exist or the '
+         'file cannot be read because the stream was closed before the parser finished reading its header').split()
+EXAMPLES = 24
+
+
+def write_prose_corpus(root):
+    """A corpus folder like the quickstart's: wikipedia/*.jsonl documents of short paragraphs."""
+    rng = random.Random(0)
+    (root / 'wikipedia').mkdir(parents=True)
+    with (root / 'wikipedia' / 'docs.jsonl').open('w') as handle:
+        for _ in range(30):
+            paragraphs = [' '.join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) for _ in range(4)]
+            handle.write(json.dumps({'text': '\n\n'.join(paragraphs)}) + '\n')
+    return root
+
+
+@pytest.fixture(scope='module')
+def models(tmp_path_factory, tokenizer_dir):
+    """The same tiny LLaMA as plain MHA, standard GQA (2 K/V heads) and DHA (unequal K and V heads per layer)."""
+    root = tmp_path_factory.mktemp('eval-models')
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         initializer_range=0.1)
+    LlamaForCausalLM(config).save_pretrained(root / 'mha')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(root / 'mha')
+    gqa = convert_checkpoint(root / 'mha', root / 'gqa', HeadMap.gqa(2, 4, 2, 16))
+    dha_map = HeadMap.dha(key_partitions=[[[0, 1], [2, 3]], [[0, 1, 2, 3]]],
+                          value_partitions=[[[0], [1, 2, 3]], [[0, 2], [1], [3]]], num_heads=4, head_dim=16)
+    dha = convert_checkpoint(root / 'mha', root / 'dha', dha_map)
+    return {'mha': root / 'mha', 'gqa': gqa, 'dha': dha}
+
+
+@pytest.fixture(scope='module')
+def local_task(tmp_path_factory):
+    root = tmp_path_factory.mktemp('local-task')
+    return build_local_task(write_prose_corpus(root / 'corpus'), root / 'task', examples=EXAMPLES,
+                            fewshot_examples=4)
+
+
+def hand_accuracy(model_dir, task_dir) -> float:
+    """Accuracy from the model's summed log-likelihood of each choice after the context (lm-eval's " " delimiter)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    correct = 0
+    for line in (task_dir / 'test.jsonl').read_text().splitlines():
+        doc = json.loads(line)
+        context = tokenizer(doc['context'], add_special_tokens=False).input_ids
+        scores = []
+        for choice in doc['choices']:
+            whole = tokenizer(doc['context'] + ' ' + choice, add_special_tokens=False).input_ids
+            continuation = whole[len(context):]
+            with torch.no_grad():
+                logprobs = model(torch.tensor([whole[:-1]])).logits[0].log_softmax(-1)
+            scores.append(sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(continuation)))
+        correct += int(max(range(len(scores)), key=scores.__getitem__) == doc['label'])
+    return correct / EXAMPLES
+
+
+def test_local_task_is_well_formed(local_task):
+    docs = [json.loads(line) for line in (local_task / 'test.jsonl').read_text().splitlines()]
+    assert len(docs) == EXAMPLES and all(len(d['choices']) == 4 and len(set(d['choices'])) == 4 for d in docs)
+    assert all(0 <= d['label'] < 4 for d in docs) and len({d['label'] for d in docs}) > 1
+    assert f'task: {LOCAL_TASK}' in (local_task / f'{LOCAL_TASK}.yaml').read_text()
+
+
+@pytest.fixture(scope='module')
+def evaluated(models, local_task, tmp_path_factory, data_root):
+    """`run_eval` on the three exports with the local task; the DHA one also measures its validation loss and logs
+    to an offline W&B run."""
+    root = tmp_path_factory.mktemp('evaluated')
+    results = {}
+    for kind in ('dha', 'mha', 'gqa'):
+        wandb = {'wandb_project': 'dha-tests', 'wandb_dir': str(root), 'data': data_root} if kind == 'dha' else {}
+        results[kind] = run_eval(models[kind], suite='local', include=[local_task], out=root / kind, name=kind,
+                                 **wandb)
+    return root, results
+
+
+@pytest.mark.parametrize('kind', ['dha', 'mha', 'gqa'])
+def test_eval_accuracy_equals_a_hand_computation(models, local_task, evaluated, kind):
+    root, results = evaluated
+    result = results[kind]
+    assert result['model_type'] == {'dha': 'dha_llama', 'mha': 'llama', 'gqa': 'llama'}[kind]
+    assert result['scores'][LOCAL_TASK]['acc'] == pytest.approx(hand_accuracy(models[kind], local_task), abs=1e-9)
+    saved = json.loads((root / kind / 'eval_results.json').read_text())
+    assert saved['scores'] == result['scores']
+    config = AutoModelForCausalLM.from_pretrained(models[kind], trust_remote_code=True).config
+    heads = {'mha': 2 * 4 * 2, 'gqa': 2 * 2 * 2, 'dha': (2 + 2) + (1 + 3)}[kind]  # K + V heads over both layers
+    assert saved['kv_cache_bytes_per_4096_tokens'] == kv_cache_bytes(config) == heads * 16 * 4096 * 2
+
+
+def test_validation_loss_is_the_token_mean_cross_entropy_of_the_val_split(models, evaluated, data_root):
+    import numpy as np
+    from streaming import StreamingDataset
+
+    from dha_train.data.loaders import TOKENS_COLUMN
+
+    model = AutoModelForCausalLM.from_pretrained(models['dha'], trust_remote_code=True).eval()
+    per_domain = {}
+    for domain in ('github', 'wikipedia'):
+        dataset = StreamingDataset(local=str(data_root / domain / 'val'), shuffle=False, batch_size=1)
+        total, count = 0.0, 0
+        for sample in dataset:
+            ids = torch.from_numpy(np.asarray(sample[TOKENS_COLUMN]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction='sum'))
+            count += ids.shape[1] - 1
+        per_domain[domain] = total / count
+    measured = evaluated[1]['dha']['val_loss_per_domain']
+    for domain, loss in per_domain.items():
+        assert measured[domain] == pytest.approx(loss, rel=1e-5)
+    assert evaluated[1]['dha']['val_loss'] == pytest.approx(sum(per_domain.values()) / 2, rel=1e-5)
+
+
+def test_offline_wandb_run_holds_the_eval_metrics(evaluated):
+    from helpers import wandb_history_keys
+
+    root, results = evaluated
+    runs = list((root / 'wandb').glob('offline-run-*/run-*.wandb'))
+    assert len(runs) == 1
+    history = wandb_history_keys(runs[0])
+    assert history[f'eval/{LOCAL_TASK}/acc'] == [pytest.approx(results['dha']['scores'][LOCAL_TASK]['acc'])]
+    assert history['eval/kv_cache_bytes_per_4096_tokens'] == [results['dha']['kv_cache_bytes_per_4096_tokens']]
+    assert history['eval/val_loss'] == [pytest.approx(results['dha']['val_loss'])]
+
+
+def test_compare_tables_three_runs_and_writes_the_plot(evaluated, tmp_path, capsys):
+    root, _ = evaluated
+    summary = compare([root / kind for kind in ('mha', 'gqa', 'dha')], out=tmp_path / 'compare')
+    table = capsys.readouterr().out
+    assert all(name in table for name in ('mha', 'gqa', 'dha')) and LOCAL_TASK in table
+    assert [row['kv_cache_bytes_per_4096_tokens'] for row in summary['runs']] == \
+        [16 * 16 * 4096 * 2, 8 * 16 * 4096 * 2, 8 * 16 * 4096 * 2]
+    assert (tmp_path / 'compare' / 'compare.png').stat().st_size > 10_000
+
+
+def test_the_cli_command_runs_and_names_bad_input(models, local_task, tmp_path, capsys):
+    from dha_train.cli import main
+
+    assert main(['eval', str(models['gqa']), '--suite', 'local', '--include', str(local_task), '--limit', '4',
+                 '--out', str(tmp_path / 'cli')]) == 0
+    assert json.loads((tmp_path / 'cli' / 'eval_results.json').read_text())['scores'][LOCAL_TASK]['acc'] >= 0
+    assert main(['compare', str(tmp_path / 'cli')]) == 2
+    assert 'compare needs at least two runs' in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
+    with pytest.raises(EvalError, match='exactly one of a suite'):
+        resolve_tasks(None, None, None)
+    with pytest.raises(EvalError, match="unknown suite 'dhaa'"):
+        resolve_tasks('dhaa', None, None)
+    assert resolve_tasks('dha', None, None)['arc_challenge'] == 25 and resolve_tasks('dha', None, None)['boolq'] == 32
+    with pytest.raises(EvalError, match='unknown lm-eval task'):
+        run_eval(tmp_path / 'nowhere', tasks=['no_such_task_xyz'])
+    with pytest.raises(EvalError, match='built with `dha-train local-task'):
+        run_eval(tmp_path / 'nowhere', suite='local')
+    with pytest.raises(EvalError, match='model not found'):
+        run_eval(tmp_path / 'nowhere', suite='local', include=[local_task])
+    with pytest.raises(EvalError, match='no eval_results.json'):
+        compare([tmp_path, tmp_path])
+
+
+def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_root, tokenizer_dir, tmp_path):
+    """The end-of-stage callback evaluates the trained model and logs lm_eval/<task>/<metric>; per-domain
+    validation loss at eval_interval comes from the stage's evaluators as in every recipe."""
+    from helpers import tiny_recipe
+
+    from dha_train.config import load_config
+    from dha_train.train import close_trainer, train
+
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='2ba', loggers={'in_memory': {}},
+                         eval_loader={'root': str(data_root)}, eval_interval='2ba',
+                         save_folder=str(tmp_path / 'ckpt'), save_interval='2ba',
+                         callbacks={'lm_eval_at_end': {'suite': 'local', 'include': [str(local_task)], 'limit': 8}})
+    trainer = train(load_config(recipe))
+    try:
+        memory = next(d for d in trainer.logger.destinations if type(d).__name__ == 'InMemoryLogger')
+        callback = next(c for c in trainer.state.callbacks if type(c).__name__ == 'LmEvalAtEnd')
+        accuracy = memory.data[f'lm_eval/{LOCAL_TASK}/acc'][-1][1]
+        assert accuracy == callback.scores[LOCAL_TASK]['acc'] and 0.0 <= accuracy <= 1.0
+        assert all(f'metrics/eval_{domain}/LanguageCrossEntropy' in memory.data for domain in ('github', 'wikipedia'))
+    finally:
+        close_trainer(trainer)
+    # `dha-train eval` also takes the Composer checkpoint itself (exported to a temporary folder first).
+    result = run_eval(tmp_path / 'ckpt', suite='local', include=[local_task], out=tmp_path / 'eval', limit=8)
+    assert result['model_type'] == 'llama' and result['scores'][LOCAL_TASK]['acc'] == pytest.approx(accuracy)
+    from dha_train import registry
+
+    with pytest.raises(EvalError, match='exactly one of a suite'):
+        registry.callbacks.build('lm_eval_at_end', {})  # refused when the trainer is built, before training

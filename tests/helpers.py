@@ -1,0 +1,197 @@
+"""Helpers shared by the test modules (fixtures live in conftest.py): tiny recipes, real `composer -n N` launches on
+free ports, a planted-group MHA model, the tiny DHA head map, reading an offline W&B run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import LlamaConfig, LlamaForCausalLM
+from wandb.proto import wandb_internal_pb2
+from wandb.sdk.internal import datastore
+
+from dha_train.models.head_map import HeadMap
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 64
+
+_WORDS = ('attention head key value query fusion group budget layer token model weight train loss gradient '
+          'sample shard stream domain batch checkpoint resume export search merge mean pool kernel').split()
+
+
+def synthetic_document(rng: random.Random, domain: str) -> str:
+    """Text with enough structure to learn quickly: repeated templates over a small vocabulary."""
+    if domain == 'github':
+        name = rng.choice(_WORDS)
+        return '\n'.join(f'def {name}_{i}(x):\n    return x * {rng.randint(1, 9)} + {name}' for i in range(rng.randint(2, 8)))
+    return ' '.join(f'The {rng.choice(_WORDS)} of the {rng.choice(_WORDS)} is {rng.choice(_WORDS)}.'
+                    for _ in range(rng.randint(3, 15)))
+
+
+def write_redpajama_jsonl(root: Path, docs_per_domain: int = 300, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    for domain in ('github', 'wikipedia'):
+        folder = root / domain
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / f'{domain}_0.jsonl').open('w') as handle:
+            for i in range(docs_per_domain):
+                handle.write(json.dumps({'text': synthetic_document(rng, domain), 'meta': {'id': i}}) + '\n')
+    return root
+
+
+def tiny_recipe(data_root: Path, tokenizer_dir: Path, **overrides) -> dict:
+    """A tiny LLaMA recipe over the session data; keyword overrides replace top-level keys."""
+    recipe = {
+        'variables': {'data_root': str(data_root)},
+        'run_name': 'tiny-test',
+        'seed': 7,
+        'model': {
+            'tokenizer': str(tokenizer_dir),
+            'config': {'vocab_size': 384, 'hidden_size': 64, 'intermediate_size': 128, 'num_hidden_layers': 2,
+                       'num_attention_heads': 4, 'num_key_value_heads': 4, 'max_position_embeddings': SEQ_LEN},
+        },
+        'train_loader': {'root': '${variables.data_root}',
+                         'streams': {'github': {'proportion': 0.6}, 'wikipedia': {'proportion': 0.4}}},
+        'optimizer': {'lr': 3.0e-3},
+        'scheduler': {'t_warmup': '2ba'},
+        'max_duration': '12ba',
+        'global_train_batch_size': 8,
+        'device_train_microbatch_size': 4,
+        'console_log_interval': '1ba',
+    }
+    recipe.update(overrides)
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def composer_command(nproc: int, recipe: Path, *overrides: str, port: int | None = None) -> list[str]:
+    port = free_port() if port is None else port
+    return [sys.executable, '-m', 'composer.cli.launcher', '-n', str(nproc), '--master_port', str(port),
+            '-m', 'dha_train.train', str(recipe), *overrides]
+
+
+def run_composer(nproc: int, recipe: Path, *overrides: str, log: Path, port: int | None = None, timeout: int = 300):
+    """A real `composer -n N` launch (gloo on CPU); returns the completed process with its output in ``log``."""
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
+    with log.open('w') as handle:
+        done = subprocess.run(composer_command(nproc, recipe, *overrides, port=port), stdout=handle,
+                              stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout)
+    return done
+
+
+def latest_checkpoint_batch(save_folder: Path) -> int | None:
+    """The batch of the checkpoint ``latest-rank0.pt`` points to, or None before the first checkpoint."""
+    link = save_folder / 'latest-rank0.pt'
+    if not link.is_symlink():
+        return None
+    match = re.search(r'ba(\d+)', os.readlink(link))
+    return int(match.group(1)) if match else None
+
+
+def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *, log: Path, port: int | None = None,
+                                     at_least: int) -> int:
+    """Launch `composer -n 2`, SIGKILL the whole process group as soon as a checkpoint at batch >= ``at_least``
+    exists, and return the batch the run would resume from."""
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
+    with log.open('w') as handle:
+        proc = subprocess.Popen(composer_command(2, recipe, f'save_folder={save_folder}', port=port),
+                                stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while (latest_checkpoint_batch(save_folder) or 0) < at_least:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, 'no checkpoint appeared in time'
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return latest_checkpoint_batch(save_folder)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launch's --master_port (instead of fixed numbers that collide
+    when two test runs share a machine)."""
+    with socket.socket() as probe:
+        probe.bind(('127.0.0.1', 0))
+        return probe.getsockname()[1]
+
+
+HEADS, HEAD_DIM, LAYERS = 8, 8, 2
+PNG = b'\x89PNG'
+
+
+def planted_mha(path, seed: int = 0) -> list[dict[str, list[list[int]]]]:
+    """A tiny MHA LLaMA whose K heads (and, with another shuffle, V heads) form two planted groups of four near-copies.
+
+    Returns the planted groups per layer: {'key': partition, 'value': partition}.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                         max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    truth = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            planted = {}
+            for kind, projection in (('key', layer.self_attn.k_proj), ('value', layer.self_attn.v_proj)):
+                labels = (torch.arange(HEADS) // 4)[torch.randperm(HEADS, generator=generator)]
+                heads = projection.weight.view(HEADS, HEAD_DIM, -1)
+                base = heads[:2].clone()
+                noise = 0.05 * base.std() * torch.randn(heads.shape, generator=generator)
+                projection.weight.copy_((base[labels] + noise).reshape_as(projection.weight))
+                planted[kind] = [torch.nonzero(labels == g).flatten().tolist() for g in range(2)]
+                planted[kind].sort()
+            truth.append(planted)
+    model.save_pretrained(path)
+    return truth
+
+
+# 4 heads: K grouped {0,2},{1,3} and V {0,1},{2,3} in layer 0; K {0,1,2,3} and V {0,3},{1,2} in layer 1.
+TINY_MAP = HeadMap.dha([[[0, 2], [1, 3]], [[0, 1, 2, 3]]], [[[0, 1], [2, 3]], [[0, 3], [1, 2]]], num_heads=4,
+                       head_dim=16)
+
+
+def fusion_recipe(tmp_path, data_root, tokenizer_dir, **overrides):
+    head_map = TINY_MAP.save(tmp_path / 'head_map.json')
+    recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='120ba', seed=11,
+                         optimizer={'lr': 1.0e-3}, scheduler={'t_warmup': '4ba', 'alpha_f': 0.1},
+                         algorithms={'head_fusion': {'head_map': str(head_map), 'omega_lr': 0.05,
+                                                     'lambda_lr': 1.0, 'margin_warmup_steps': 10}})
+    recipe['model']['config'].update(num_attention_heads=4, num_key_value_heads=4)
+    recipe.update(overrides)
+    return recipe
+
+
+def wandb_history_keys(run_file) -> dict[str, list[float]]:
+    """Read the offline .wandb record log the way `wandb sync` does and collect the history values."""
+
+    store = datastore.DataStore()
+    store.open_for_scan(str(run_file))
+    values: dict[str, list[float]] = {}
+    while True:
+        data = store.scan_data()
+        if data is None:
+            break
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof('record_type') == 'history':
+            for item in record.history.item:
+                key = item.key or '/'.join(item.nested_key)
+                values.setdefault(key, []).append(json.loads(item.value_json))
+    return values
+
+

@@ -1,0 +1,84 @@
+"""The GQA baseline end to end: convert a tiny MHA model, continue pre-training with 2 processes, export."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import torch
+from helpers import REPO, SEQ_LEN, free_port
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.models.head_map import HeadMap
+
+
+def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tokenizer_dir):
+    from dha_train.export import export_hf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ_LEN)
+    mha_dir = tmp_path / 'tiny-mha'
+    LlamaForCausalLM(config).save_pretrained(mha_dir)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(mha_dir)
+
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
+           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
+           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    save_root = tmp_path / 'runs'
+    done = subprocess.run(
+        ['bash', 'launch/gqa_baseline.sh', str(mha_dir), '2', str(data_root), str(save_root), '2',
+         'yamls/gqa/tiny_ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+
+    init = save_root / 'tiny-mha-gqa2-init'
+    assert HeadMap.load(init / 'head_map.json').kv_budget_fraction() == 0.25
+    evals = [float(x) for x in re.findall(r'metrics/eval_github/LanguageCrossEntropy: ([0-9.]+)', log)]
+    assert len(evals) == 2 and all(math.isfinite(v) for v in evals)
+
+    exported = export_hf(save_root / 'tiny-mha-gqa2-ct', tmp_path / 'hf')
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    assert type(model) is LlamaForCausalLM and model.config.num_key_value_heads == 2
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, 384, (1, 16))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_root, tokenizer_dir):
+    """launch/asym_gqa.sh: the AsymGQA search (K and V share a map whose groups may differ in size), mean-pooling
+    to it, 2-process CT, export; the export loads (plain LLaMA for contiguous equal groups, else the DHA class) and
+    generates."""
+    from helpers import planted_mha
+
+    from dha_train.export import export_hf
+
+    planted_mha(tmp_path / 'mha')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
+           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
+           'SEARCH_ARGS': '--tokens 512 --sample-tokens 64 --iterations 25 --fitness kl --batch-size 4',
+           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    save_root = tmp_path / 'runs'
+    done = subprocess.run(
+        ['bash', 'launch/asym_gqa.sh', str(tmp_path / 'mha'), '2', str(data_root), str(save_root), '2',
+         'yamls/asym_gqa/tiny/ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    head_map = HeadMap.load(save_root / 'mha-asym2-search' / 'head_map.json')
+    assert HeadMap.load(save_root / 'mha-asym2-init' / 'head_map.json') == head_map
+    assert all(layer.key == layer.value and layer.num_key_heads == 2 for layer in head_map.layers)
+    exported = export_hf(save_root / 'mha-asym2-ct', tmp_path / 'hf')
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True, trust_remote_code=True).eval()
+    uniform = head_map.uniform_gqa_groups() is not None
+    assert (type(model) is LlamaForCausalLM) == uniform
+    prompt = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    assert out.sequences.shape == (1, 12)
