@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install quickstart test
+.PHONY: install quickstart test lint
 
 $(BIN)/dha-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,5 +15,10 @@ install: $(BIN)/dha-train
 quickstart: install
 	$(BIN)/dha-train quickstart
 
-test: install
+# The layer contracts (import-linter, pyproject.toml) and ruff, then the suite.
+lint: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check dha_train tests tools
+
+test: lint
 	$(BIN)/python -m pytest tests

@@ -55,6 +55,9 @@ class Method:
     algorithm: str | None = None
     export: Export | None = None
     kv_cache_bytes: Callable[[PretrainedConfig, int, int], int] = head_map_kv_cache_bytes
+    # Migration: recognises a checkpoint of this method's surgery written before methods were tagged (dha_train
+    # 0.1.0 up to the method registry), so such checkpoints still export.
+    untagged: Callable[[PretrainedConfig, Weights], bool] | None = None
 
 
 _METHODS: dict[str, Method] = {}
@@ -88,16 +91,23 @@ def tag_method(config: PretrainedConfig, name: str) -> None:
     setattr(config, METHOD_TAG, name)
 
 
-def method_of(config: PretrainedConfig) -> Method | None:
-    """The method whose training-time surgery a checkpoint's config records, or None for a plain model."""
+def method_of(config: PretrainedConfig, weights: Weights | None = None) -> Method | None:
+    """The method whose training-time surgery a checkpoint's config records, or None for a plain model. An
+    untagged checkpoint (written before the tag existed) is recognised by the methods' ``untagged`` checks."""
     name = getattr(config, METHOD_TAG, None)
-    return None if name is None else get(name)
+    if name is not None:
+        return get(name)
+    if weights is not None:
+        for method in _METHODS.values():
+            if method.untagged is not None and method.untagged(config, weights):
+                return method
+    return None
 
 
 def export_model(config: PretrainedConfig, weights: Weights) -> tuple[PretrainedConfig, Weights]:
     """A checkpoint's (config, weights) -> the exportable model's: its method's export, or unchanged when the
     checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked)."""
-    method = method_of(config)
+    method = method_of(config, weights)
     if method is None or method.export is None:
         config, weights = config, weights
     else:
@@ -155,10 +165,15 @@ register(Method('mean_pool', 'GQA baseline: mean-pool the K/V heads of each grou
                 'non-uniform or decoupled maps become a DHA model', model_type='dha_llama'))
 register(Method('asym_gqa', 'AsymGQA: activation-informed groups of unequal size (`dha-train search --method asym`), '
                 'served by the DHA model', model_type='dha_llama'))
+def _has_weight(suffix: str) -> Callable[[PretrainedConfig, Weights], bool]:
+    return lambda config, weights: any(name.endswith(suffix) for name in weights)
+
+
 register(Method('dha', 'DHA: Search -> Fusion (head_fusion) -> baked compact heads', model_type='dha_llama',
-                algorithm='head_fusion', export=_bake_fusion))
+                algorithm='head_fusion', export=_bake_fusion, untagged=_has_weight('.k_proj.omega')))
 register(Method('aligned_gqa', 'Aligned GQA: Procrustes alignment (`dha-train align`), then L0 transfer '
                 '(kv_head_transfer) onto the group heads', model_type=BASE_MODEL_TYPE, algorithm='kv_head_transfer',
-                export=_keep_group_heads))
+                export=_keep_group_heads, untagged=_has_weight('.k_proj.group_weight')))
 register(Method('moh', 'MoH: shared + routed heads, continue-tuned from MHA (mixture_of_heads)',
-                model_type='moh_llama', algorithm='mixture_of_heads', export=_as_moh_model))
+                model_type='moh_llama', algorithm='mixture_of_heads', export=_as_moh_model,
+                untagged=lambda config, weights: getattr(config, 'moh_router', None) is not None))

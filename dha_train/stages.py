@@ -14,11 +14,17 @@ from pathlib import Path
 from composer.core import Time
 from composer.loggers import InMemoryLogger
 
-from dha_train.config import TrainConfig, load_config
+from dha_train.config import ConfigError, TrainConfig, load_config
+from dha_train.ops.budget import whole_head_count
 from dha_train.paths import recipe_path
 from dha_train.train import close_trainer, train
 
 DONE_MARKER = 'DONE.json'
+
+# The quickstart run folder's fixed settings: the benches and the tests read its stages.
+SEQ_LEN = 256
+KV_BUDGET = 0.25
+DHA_NAME = 'tiny-dha25'
 
 
 class Stage:
@@ -112,3 +118,15 @@ def validation_loss(data: Path, hf_folder: str | Path) -> float:
         f'variables.model_path={hf_folder}', f'variables.data_root={data}', 'eval_first=true',
         'save_folder=null', 'autoresume=false', 'run_name=bench-eval'], 1)
     return mean_eval(history, 0)['mean']
+
+
+def gqa_kv_heads(num_heads: int) -> int:
+    """K/V heads per layer of the GQA baseline: DHA's KV_BUDGET of the heads, spread evenly over the layers."""
+    try:
+        kv_heads = whole_head_count(KV_BUDGET, num_heads)
+    except ValueError:
+        kv_heads = 0
+    if kv_heads < 1 or num_heads % kv_heads:
+        raise ConfigError(f'quickstart: a {KV_BUDGET:.0%} KV budget of {num_heads} heads per layer is not a whole '
+                          'divisor of the heads; give the teacher a head count divisible by 4')
+    return kv_heads

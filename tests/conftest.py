@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl
 
 # Tests never reach a hub or W&B servers.

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_recipe, write_recipe
 
 from dha_train.config import ConfigError, load_config
+from helpers import tiny_recipe, write_recipe
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, tiny_recipe, write_recipe
 
 import dha_train.train
 from dha_train import registry
 from dha_train.cli import main
 from dha_train.config import ConfigError
+from helpers import REPO, tiny_recipe, write_recipe
 
 MISSPELT = [
     ('head_fusion', {'warmup_groups': 1, 'lamda_lr': 0.1}, 'lamda_lr', 'lambda_lr'),
@@ -76,7 +76,7 @@ def test_every_registered_component_has_an_explicit_signature():
             assert components.accepted(name) is not None  # raises for a **kwargs builder
 
 
-@pytest.mark.distributed
+@pytest.mark.slow
 def test_the_composer_entry_point_prints_one_line_and_exits_2(tmp_path, data_root, tokenizer_dir):
     recipe = write_recipe(tmp_path / 'r.yaml', tiny_recipe(data_root, tokenizer_dir,
                                                             algorithms={'head_fusion': {'lamda_lr': 0.1}}))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from helpers import tiny_recipe, wandb_history_keys
 
 

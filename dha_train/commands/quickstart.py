@@ -27,6 +27,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from dha_train.algorithms.head_fusion import HeadFusion
+from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.convert import convert_checkpoint
 from dha_train.config import ConfigError, load_config
 from dha_train.data.corpus import build_stdlib_corpus, iter_corpus_texts
@@ -35,20 +36,28 @@ from dha_train.data.tokenizer import train_byte_level_bpe
 from dha_train.errors import OutputExistsError
 from dha_train.export import export_hf
 from dha_train.harness import build_local_task
+from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
-from dha_train.ops.budget import whole_head_count
 from dha_train.paths import recipe_path
 from dha_train.plots import plot_curves, plot_loss_curve
-from dha_train.stages import Stage, mean_eval, mean_eval_curve, train_recipe, train_stage, train_tokens
+from dha_train.stages import (
+    DHA_NAME,
+    KV_BUDGET,
+    SEQ_LEN,
+    Stage,
+    gqa_kv_heads,
+    mean_eval,
+    mean_eval_curve,
+    train_recipe,
+    train_stage,
+    train_tokens,
+)
 
 QUICKSTART_RECIPE = 'pretrain/tiny.yaml'
 VOCAB_SIZE = 4096
-SEQ_LEN = 256
 CORPUS_BYTES_PER_DOMAIN = 3_000_000
 VAL_TOKENS = 4 * 16 * SEQ_LEN  # four eval batches per domain
-KV_BUDGET = 0.25
-DHA_NAME = 'tiny-dha25'
 
 
 def _say(message: str) -> None:
@@ -145,25 +154,14 @@ def _continued_pretraining(out: Path, recipe: str, overrides: list[str], max_bat
         raise RuntimeError(f'{recipe}: no evaluation was logged; the checkpoints in {save_folder} are from '
                            'a finished run whose history was not saved. Run with --fresh.')
     hf = export_hf(save_folder, Path(save_folder) / 'hf', overwrite=True)
-    head_map = HeadMap.from_hf_config(AutoConfig.from_pretrained(hf, local_files_only=True))
+    exported = AutoConfig.from_pretrained(hf, local_files_only=True)
+    head_map = HeadMap.from_hf_config(exported)
     out.mkdir(parents=True, exist_ok=True)
     (out / 'history.json').write_text(json.dumps(history))
     return {'hf_folder': str(hf), 'history': str(out / 'history.json'), 'initial': mean_eval(history, 0),
             'final': mean_eval(history, -1), 'tokens': train_tokens(config, SEQ_LEN),
-            'kv_cache_bytes': head_map.kv_cache_bytes(1, SEQ_LEN, bytes_per_element=2),
+            'kv_cache_bytes': kv_cache_bytes(exported, SEQ_LEN, bytes_per_value=2),
             'kv_heads': head_map.kv_heads()}
-
-
-def gqa_kv_heads(num_heads: int) -> int:
-    """K/V heads per layer of the GQA baseline: DHA's KV_BUDGET of the heads, spread evenly over the layers."""
-    try:
-        kv_heads = whole_head_count(KV_BUDGET, num_heads)
-    except ValueError:
-        kv_heads = 0
-    if kv_heads < 1 or num_heads % kv_heads:
-        raise ConfigError(f'quickstart: a {KV_BUDGET:.0%} KV budget of {num_heads} heads per layer is not a whole '
-                          'divisor of the heads; give the teacher a head count divisible by 4')
-    return kv_heads
 
 
 def _gqa_convert(out: Path, run: Path) -> dict:
@@ -302,13 +300,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='cap on the batches of each conversion stage (default: the recipe values)')
     add_teacher_argument(parser)
     parser.set_defaults(func=run)
-
-
-def add_teacher_argument(parser: argparse.ArgumentParser) -> None:
-    """``--teacher KEY=VALUE ...``: overrides of the teacher's pretraining recipe (also taken by the benches)."""
-    parser.add_argument('--teacher', nargs='+', default=[], metavar='KEY=VALUE',
-                        help='overrides of the teacher\'s pretraining recipe, e.g. model.config.hidden_size=1024 '
-                             'model.config.num_hidden_layers=8 for a larger model on a GPU (default: the tiny one)')
 
 
 def run(args: argparse.Namespace) -> int:

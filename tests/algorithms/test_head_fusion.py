@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_MAP, fusion_recipe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dha_train.algorithms.head_fusion import OMEGA_GROUP, HeadFusion
 from dha_train.models.fusion import FusedProjection
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.fusion import group_members
+from helpers import TINY_MAP, fusion_recipe
 
 
 def tiny_mha() -> LlamaForCausalLM:
@@ -52,6 +52,7 @@ def test_fusion_refuses_a_map_that_does_not_fit(tmp_path):
         algorithm.apply_surgery(tiny_mha())
 
 
+@pytest.mark.slow
 def test_tiny_fusion_run_drives_the_fusion_loss_below_threshold(tmp_path, data_root, tokenizer_dir):
     from dha_train.config import load_config
     from dha_train.train import train
@@ -144,6 +145,7 @@ def test_progressive_fusion_stage_state_round_trips_and_must_match_the_recipe(tm
         HeadFusion(head_map=head_map, progressive=[4, 2])
 
 
+@pytest.mark.slow
 def test_tiny_progressive_fusion_run_fuses_pairs_first_then_the_whole_groups(tmp_path, data_root, tokenizer_dir):
     from dha_train.config import load_config
     from dha_train.train import train

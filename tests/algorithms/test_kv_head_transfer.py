@@ -3,13 +3,14 @@ group heads) under Distillation from the MHA teacher, then export as standard HF
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers import SEQ_LEN, tiny_recipe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dha_train.algorithms.distillation import Distillation
 from dha_train.algorithms.kv_head_transfer import MASK_GROUP, KVHeadTransfer
 from dha_train.models.transfer import TransferProjection
+from helpers import SEQ_LEN, tiny_recipe
 
 BATCHES = 40
 
@@ -33,6 +34,7 @@ def transfer_recipe(tmp_path, data_root, tokenizer_dir, **overrides):
     return recipe
 
 
+@pytest.mark.slow
 def test_tiny_pruning_run_closes_every_gate_by_the_freeze_and_exports_equal_gqa(tmp_path, data_root,
                                                                                tokenizer_dir):
     from dha_train.config import load_config
@@ -79,6 +81,8 @@ def _transfer_state(save_folder):
     return transfer, model_weights(state), int(state['state']['timestamp']['Timestamp']['batch'])
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp2_pruning_run_killed_and_resumed_keeps_its_masks_and_schedule(tmp_path, data_root, tokenizer_dir):
     """Two processes (FSDP2, gloo; the teacher sharded like the student): SIGKILL after a checkpoint, auto-resume,
     and the gates, the density/target history and every weight match an uninterrupted run bit for bit."""

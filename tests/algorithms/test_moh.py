@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from composer.core import Callback, Event
-from helpers import tiny_recipe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dha_train.algorithms.mixture_of_heads import ROUTER_GROUP, MixtureOfHeads
@@ -24,6 +23,7 @@ from dha_train.models.modeling_moh import (
     load_balance_loss,
     straight_through,
 )
+from helpers import tiny_recipe
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
             max_position_embeddings=64)
@@ -363,12 +363,13 @@ def test_bench_moh_continue_starts_the_quickstart_in_a_fresh_run_folder(tmp_path
     assert json.loads((run / 'bench_moh' / 'results.json').read_text())['continue'] == measured
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp2_two_process_learned_router_trains_and_exports(tmp_path, data_root, tokenizer_dir):
     import re
 
-    from helpers import run_composer, write_recipe
-
     from dha_train.export import export_hf
+    from helpers import run_composer, write_recipe
 
     recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='16ba', global_train_batch_size=8,
                          device_train_microbatch_size=2, fsdp={'enabled': True, 'state_dict_type': 'sharded'},

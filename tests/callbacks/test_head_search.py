@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from helpers import SEQ_LEN, tiny_recipe
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
+from helpers import SEQ_LEN, tiny_recipe
 
 HEADS, HEAD_DIM, HIDDEN = 8, 8, 64
 

@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import HEAD_DIM, HEADS, free_port, planted_mha
 from transformers import LlamaForCausalLM
 
 from dha_train.commands.align import ALIGNMENT_REPORT, TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.config import ConfigError
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.alignment import plane_rotation
+from helpers import HEAD_DIM, HEADS, free_port, planted_mha
 
 
 def rotated_planted_mha(path):
@@ -63,6 +63,8 @@ def test_align_rejects_bad_settings_before_calibrating(tmp_path, data_root):
         run_align(tmp_path / 'mha', tmp_path / 'out', AlignSettings(num_groups=2, data=str(tmp_path / 'nowhere')))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root, tokenizer_dir):
     """launch/aligned_gqa.sh with the tiny recipe: align -> 2-process FSDP2 pruning with distillation -> export as
     standard HF GQA, which plain transformers loads and generates with, its KV cache holding 2 heads; a re-run
@@ -71,8 +73,9 @@ def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root,
     import subprocess
     import sys
 
-    from helpers import REPO
     from transformers import AutoTokenizer
+
+    from helpers import REPO
 
     planted_mha(tmp_path / 'mha')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -69,16 +70,17 @@ def test_bad_maps_are_refused(tmp_path, capsys):
     assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow
 def test_decoupled_map_becomes_a_dha_model_that_trains_and_exports(tmp_path, data_root, tokenizer_dir):
     import os
     import subprocess
     import sys
 
-    from helpers import REPO, tiny_recipe, write_recipe
     from transformers import AutoTokenizer
 
     import dha_train.models  # noqa: F401  (registers the DHA classes)
     from dha_train.models.modeling_dha import DhaLlamaForCausalLM
+    from helpers import REPO, tiny_recipe, write_recipe
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=96,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from dha_train.commands.compare import compare
 from dha_train.commands.convert import convert_checkpoint
 from dha_train.commands.evaluate import run_eval
+from dha_train.config import ConfigError
 from dha_train.harness import LOCAL_TASK, EvalError, build_local_task, resolve_tasks
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
@@ -164,6 +165,7 @@ def test_the_cli_command_runs_and_names_bad_input(models, local_task, tmp_path, 
     assert 'compare needs at least two runs' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
     with pytest.raises(EvalError, match='exactly one of a suite'):
         resolve_tasks(None, None, None)
@@ -183,10 +185,9 @@ def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
 def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_root, tokenizer_dir, tmp_path):
     """The end-of-stage callback evaluates the trained model and logs lm_eval/<task>/<metric>; per-domain
     validation loss at eval_interval comes from the stage's evaluators as in every recipe."""
-    from helpers import tiny_recipe
-
     from dha_train.config import load_config
     from dha_train.train import close_trainer, train
+    from helpers import tiny_recipe
 
     recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='2ba', loggers={'in_memory': {}},
                          eval_loader={'root': str(data_root)}, eval_interval='2ba',
@@ -206,5 +207,5 @@ def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_roo
     assert result['model_type'] == 'llama' and result['scores'][LOCAL_TASK]['acc'] == pytest.approx(accuracy)
     from dha_train import registry
 
-    with pytest.raises(EvalError, match='exactly one of a suite'):
+    with pytest.raises(ConfigError, match='callbacks.lm_eval_at_end: give exactly one of a suite'):
         registry.callbacks.build('lm_eval_at_end', {})  # refused when the trainer is built, before training

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO
 
 
@@ -17,6 +19,7 @@ def _quickstart(out, *args):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quickstart_short_run_then_reuse(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,7 +64,7 @@ def test_quickstart_short_run_then_reuse(tmp_path):
 
 
 def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_path):
-    import pytest
+
 
     from dha_train.commands.quickstart import run_quickstart
 
@@ -72,7 +75,7 @@ def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_p
 
 
 def test_quickstart_refuses_a_teacher_the_budget_cannot_split_before_training(tmp_path):
-    import pytest
+
 
     from dha_train.commands.quickstart import run_quickstart
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import HEAD_DIM, HEADS, LAYERS, PNG, planted_mha
 
 from dha_train.cli import main
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.budget import divisors
+from helpers import HEAD_DIM, HEADS, LAYERS, PNG, planted_mha
 
 
 def search(model_dir, out, *args) -> int:

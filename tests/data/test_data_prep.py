@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from dha_train.data.corpus import build_stdlib_corpus, iter_corpus_texts
 from dha_train.commands.data_prep import add_prep_arguments, run_prep_from_args
+from dha_train.data.corpus import build_stdlib_corpus, iter_corpus_texts
 from dha_train.data.prep import DataPrepError, iter_texts, prep_redpajama, read_manifest, token_dtype_for
 from dha_train.data.tokenizer import BOS_TOKEN, EOS_TOKEN, train_byte_level_bpe
 

@@ -9,11 +9,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
-from helpers import REPO, SEQ_LEN, free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
+from helpers import REPO, SEQ_LEN, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 LAYERS, HEADS, HEAD_DIM = 2, 8, 8
 STAGE_OVERRIDES = ['max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba', 'scheduler.t_warmup=2ba',

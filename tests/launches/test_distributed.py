@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
 from safetensors.torch import load_file
+
+from helpers import launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MAX_BATCHES = 48
 SAVE_EVERY = 6

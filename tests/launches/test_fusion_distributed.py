@@ -10,7 +10,10 @@ import sys
 
 import pytest
 import torch
+
 from helpers import REPO, free_port, fusion_recipe, launch_and_kill_after_checkpoint, run_composer, write_recipe
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MAX_BATCHES = 24
 SAVE_EVERY = 6

@@ -8,11 +8,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
-from helpers import REPO, SEQ_LEN, free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
+from helpers import REPO, SEQ_LEN, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tokenizer_dir):
@@ -53,9 +56,8 @@ def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_r
     """launch/asym_gqa.sh: the AsymGQA search (K and V share a map whose groups may differ in size), mean-pooling
     to it, 2-process CT, export; the export loads (plain LLaMA for contiguous equal groups, else the DHA class) and
     generates."""
-    from helpers import planted_mha
-
     from dha_train.export import export_hf
+    from helpers import planted_mha
 
     planted_mha(tmp_path / 'mha')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')

@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 
 from dha_train.config import ConfigError, load_config
+from helpers import REPO
 
 RECIPES = sorted((REPO / 'yamls').rglob('*.yaml'))
 PLACEHOLDERS = ['variables.model_path=/m', 'variables.data_root=/d', 'variables.save_root=/s',

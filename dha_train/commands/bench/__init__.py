@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 
+from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
-from dha_train.commands.quickstart import add_teacher_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,14 +36,17 @@ from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
 from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.commands.convert import convert_checkpoint
-from dha_train.commands.quickstart import DHA_NAME, SEQ_LEN, gqa_kv_heads, run_quickstart
+from dha_train.commands.quickstart import run_quickstart
 from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
 from dha_train.export import export_hf
 from dha_train.models.head_map import HeadMap
 from dha_train.stages import (
+    DHA_NAME,
     DONE_MARKER,
+    SEQ_LEN,
     ct_curve,
+    gqa_kv_heads,
     mean_eval,
     train_stage,
     train_tokens,

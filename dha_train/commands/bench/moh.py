@@ -34,10 +34,10 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
-from dha_train.commands.quickstart import SEQ_LEN, run_quickstart
+from dha_train.commands.quickstart import run_quickstart
 from dha_train.config import ConfigError
 from dha_train.models.modeling_moh import MohLlamaAttention, MohLlamaConfig, MohLlamaForCausalLM
-from dha_train.stages import ct_curve, mean_eval, train_stage, train_tokens, validation_loss
+from dha_train.stages import SEQ_LEN, ct_curve, mean_eval, train_stage, train_tokens, validation_loss
 
 SECTIONS = ('attention', 'decode', 'continue')
 COLD_BYTES = 512 * 2 ** 20  # K/V copies the attention timing cycles through
