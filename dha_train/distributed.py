@@ -31,8 +31,7 @@ def shard_like(model: nn.Module, reference: nn.Module) -> nn.Module:
     mesh = device_mesh_of(reference)
     if mesh is None:
         return model
-    for module in model.modules():
-        if is_decoder_block(module):
-            fully_shard(module, mesh=mesh)
+    for block in [module for module in model.modules() if is_decoder_block(module)]:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
