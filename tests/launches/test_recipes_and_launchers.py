@@ -58,14 +58,23 @@ def test_single_node_launcher_uses_nproc(tmp_path):
 
 
 @pytest.mark.parametrize('model', ['llama2-7b', 'sheared-llama-2.7b', 'sheared-llama-1.3b', 'tiny'])
-def test_dha_recipes_build_their_components_and_follow_table_4(model):
-    from dha_train import components, registry  # noqa: F401
+def test_dha_recipes_build_their_components_and_follow_table_4(model, tmp_path):
+    import dha_train.algorithms  # noqa: F401  (registers the algorithms)
+    import dha_train.callbacks  # noqa: F401  (registers the callbacks)
+    from dha_train import registry
     from dha_train.algorithms.head_fusion import HeadFusion
     from dha_train.callbacks.head_search import HeadSearch
+    from dha_train.models.head_map import HeadMap
 
+    placeholders = [f'variables.save_root={tmp_path}' if o.startswith('variables.save_root') else o
+                    for o in PLACEHOLDERS]
     stages = {stage: load_config(REPO / 'yamls/dha' / model / f'{stage}.yaml',
-                                 PLACEHOLDERS[1:3] if stage == 'ct' else PLACEHOLDERS[:3])  # CT reads the Fusion's
+                                 placeholders[1:3] if stage == 'ct' else placeholders[:3])  # CT reads the Fusion's
               for stage in ('search', 'fusion', 'ct')}
+    # The Fusion reads the Search's head map when it is built, as it does when its stage starts.
+    searched = Path(stages['search'].save_folder) / 'search' / 'head_map.json'
+    searched.parent.mkdir(parents=True)
+    HeadMap.gqa(2, 4, 2, 16).save(searched)
     search = registry.callbacks.build_all(stages['search'].callbacks)
     assert any(isinstance(c, HeadSearch) and c.kv_budget == 0.25 for c in search)
     (warmup,) = registry.algorithms.build_all(stages['search'].algorithms)
@@ -86,7 +95,9 @@ def test_dha_recipes_build_their_components_and_follow_table_4(model):
 
 @pytest.mark.parametrize('model', ['llama2-7b', 'sheared-llama-1.3b', 'tiny'])
 def test_aligned_gqa_recipes_build_and_follow_the_paper(model, tmp_path):
-    from dha_train import components, registry  # noqa: F401
+    import dha_train.algorithms  # noqa: F401  (registers the algorithms)
+    import dha_train.callbacks  # noqa: F401  (registers the callbacks)
+    from dha_train import registry
     from dha_train.algorithms.distillation import Distillation
     from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 

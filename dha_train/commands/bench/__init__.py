@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               help='matrices the reference anneals (default all: an equal number of proposals)')
     search_bench.add_argument('--seed', type=int, default=0)
     search_bench.add_argument('--out', default=None, help='folder for results.json')
-    search_bench.set_defaults(func=run_search_bench_args)
+    search_bench.set_defaults(func=run_search)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -98,7 +98,7 @@ def run_moh(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_search_bench_args(args: argparse.Namespace) -> int:
+def run_search(args: argparse.Namespace) -> int:
     run_search_bench(layers=args.layers, heads=args.heads, head_dim=args.head_dim, tokens=args.tokens,
                      sample_tokens=args.sample_tokens, groups=args.groups, restarts=args.restarts, steps=args.steps,
                      reference_matrices=args.reference_matrices, seed=args.seed, out=args.out)
