@@ -61,7 +61,7 @@ class Registry:
         except (ValueError, TypeError, DhaTrainError) as exc:
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f'{where}: {exc}') from exc
+            raise ConfigError(f"{where}: {str(exc).removeprefix(f'{name}: ')}") from exc
 
     def build_all(self, section: dict[str, dict[str, Any]]) -> list[Any]:
         return [self.build(name, kwargs) for name, kwargs in section.items()]

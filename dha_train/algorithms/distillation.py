@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes, should the teacher be one)
 from dha_train import registry
+from dha_train.config import ConfigError
 from dha_train.distributed import shard_like
 from dha_train.errors import InputNotFoundError
 from dha_train.ops.distill import bild_loss, kl_loss
@@ -56,7 +57,7 @@ class Distillation(Algorithm):
                                                            torch_dtype=torch.float32)
         student_config = state.model.model.config if hasattr(state.model, 'model') else state.model.config
         if teacher.config.vocab_size != student_config.vocab_size:
-            raise ValueError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '
+            raise ConfigError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '
                              f'{student_config.vocab_size}')
         teacher.requires_grad_(False).eval()
         self.teacher = shard_like(state.device.module_to_device(teacher), state.model)

@@ -29,6 +29,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from dha_train import registry
+from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
 from dha_train.models.fusion import FusedProjection
@@ -100,7 +101,7 @@ class HeadFusion(Algorithm):
         hf = hf_model(model)
         config = hf.config
         if config.num_key_value_heads != config.num_attention_heads:
-            raise ValueError('head_fusion: fusion starts from an MHA model (num_key_value_heads == num_attention_heads)')
+            raise ConfigError('head_fusion: fusion starts from an MHA model (num_key_value_heads == num_attention_heads)')
         key_partitions, value_partitions = self.partitions(config)
         width = head_dim(config)
         self.projections = []
@@ -229,7 +230,7 @@ class HeadFusion(Algorithm):
         for algorithm in state.algorithms:
             if isinstance(algorithm, HeadFusion):
                 return algorithm
-        raise ValueError(f'{needed_by} needs the head_fusion algorithm in the recipe (algorithms: head_fusion: ...)')
+        raise ConfigError(f'{needed_by} needs the head_fusion algorithm in the recipe (algorithms: head_fusion: ...)')
 
     def state_dict(self) -> dict[str, Any]:
         return {'lam': self.lam, 'step': self.step, 'history': list(self.history), 'converged_at': self.converged_at,
@@ -241,7 +242,7 @@ class HeadFusion(Algorithm):
         self.stage, self.stage_started = int(state.get('stage', 0)), int(state.get('stage_started', 0))
         saved = state.get('stage_subgroups')
         if bool(saved) != bool(self.progressive):
-            raise ValueError('head_fusion: the checkpoint was written with progressive fusion '
+            raise ConfigError('head_fusion: the checkpoint was written with progressive fusion '
                              f'{"on" if saved else "off"} but the recipe has it {"on" if self.progressive else "off"}')
         if saved:
             self.stage_subgroups = saved

@@ -23,6 +23,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from dha_train import registry
+from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
 from dha_train.models.llama_layout import attention_modules, head_dim, hf_model
@@ -58,10 +59,10 @@ class KVHeadTransfer(Algorithm):
     def apply_surgery(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         config = hf_model(model).config
         if config.num_key_value_heads != config.num_attention_heads:
-            raise ValueError('kv_head_transfer: the transfer starts from an MHA model (num_key_value_heads == '
+            raise ConfigError('kv_head_transfer: the transfer starts from an MHA model (num_key_value_heads == '
                              'num_attention_heads); align it first with `dha-train align`')
         if config.num_attention_heads % self.num_groups:
-            raise ValueError(f'kv_head_transfer: num_groups {self.num_groups} must divide the '
+            raise ConfigError(f'kv_head_transfer: num_groups {self.num_groups} must divide the '
                              f'{config.num_attention_heads} heads')
         width = head_dim(config)
         self.projections = []

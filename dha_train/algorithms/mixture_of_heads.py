@@ -26,6 +26,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from dha_train import registry
+from dha_train.config import ConfigError
 from dha_train.methods import tag_method
 from dha_train.models.llama_layout import hf_model
 from dha_train.models.modeling_moh import ROUTERS, MohLlamaAttention, check_moh_settings
@@ -63,7 +64,7 @@ class MixtureOfHeads(Algorithm):
         for algorithm in state.algorithms:
             if isinstance(algorithm, MixtureOfHeads):
                 return algorithm
-        raise ValueError(f'{needed_by} needs the mixture_of_heads algorithm in the recipe '
+        raise ConfigError(f'{needed_by} needs the mixture_of_heads algorithm in the recipe '
                          '(algorithms: mixture_of_heads: ...)')
 
     def apply_surgery(self, model: nn.Module, seed: int = 0) -> list[nn.Parameter]:
@@ -78,7 +79,7 @@ class MixtureOfHeads(Algorithm):
         if getattr(config, 'moh_router', None) is not None:  # already a MoH checkpoint: it must agree
             saved = (config.moh_router, config.moh_shared_heads, config.moh_top_k)
             if saved != (self.router, shared, top_k):
-                raise ValueError(f'mixture_of_heads: the model is already MoH with router, shared_heads, top_k = '
+                raise ConfigError(f'mixture_of_heads: the model is already MoH with router, shared_heads, top_k = '
                                  f'{saved}; the recipe asks for {(self.router, shared, top_k)}')
         config.moh_router, config.moh_shared_heads, config.moh_top_k = self.router, shared, top_k
         tag_method(config, 'moh')  # the checkpoint exports as the MoH model class (dha_train.methods)
@@ -90,7 +91,7 @@ class MixtureOfHeads(Algorithm):
             attn = parent.self_attn
             if not isinstance(attn, MohLlamaAttention):
                 if type(attn) is not LlamaAttention:
-                    raise ValueError(f'mixture_of_heads: MoH surgery takes LLaMA attention (MHA or GQA), not '
+                    raise ConfigError(f'mixture_of_heads: MoH surgery takes LLaMA attention (MHA or GQA), not '
                                      f'{type(attn).__name__}')
                 weight = attn.q_proj.weight
                 with torch.device('meta'):
@@ -163,7 +164,7 @@ class MixtureOfHeads(Algorithm):
         saved = {key: state.get(key) for key in SETTINGS}
         mine = {key: getattr(self, key) for key in SETTINGS}
         if saved != mine:
-            raise ValueError(f'mixture_of_heads: the checkpoint was trained with {saved}, the recipe asks for {mine}')
+            raise ConfigError(f'mixture_of_heads: the checkpoint was trained with {saved}, the recipe asks for {mine}')
 
 
 registry.algorithms.register('mixture_of_heads', MixtureOfHeads)

@@ -29,6 +29,7 @@ from composer.utils import dist
 
 from dha_train import registry
 from dha_train.algorithms.head_fusion import HeadFusion
+from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.ops.budget import allocate_kv_heads, group_and_allocate, whole_head_count
@@ -74,10 +75,10 @@ class HeadSearch(Callback):
     def _check(self, state: State) -> None:
         fusion = HeadFusion.of(state, 'head_search')
         if fusion.head_map_path is not None or fusion.warmup_groups != 1:
-            raise ValueError('head_search: the Search stage needs head_fusion with warmup_groups: 1 (one warm-up '
+            raise ConfigError('head_search: the Search stage needs head_fusion with warmup_groups: 1 (one warm-up '
                              'group per layer) and no head_map')
         if fusion.stop_at_threshold:
-            raise ValueError('head_search: set head_fusion.stop_at_threshold: false, so the Search runs its '
+            raise ConfigError('head_search: set head_fusion.stop_at_threshold: false, so the Search runs its '
                              'whole duration')
         num_layers, num_heads = len(fusion.projections), fusion.projections[0][0].members.shape[0]
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
