@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import numpy as np
 
 
 def plot_loss_curve(history: dict, out: str | Path, title: str = '') -> Path:
@@ -53,9 +56,7 @@ def plot_head_similarity(similarities, out: str | Path, title: str = '', partiti
     """One heatmap of head-by-head similarity per layer, in a grid (DHA Fig. 2). With ``partitions`` each layer's
     heads are reordered group by group and group borders are drawn, so the clusters read as blocks. ``limits``
     (low, high) fixes the colour scale (default: up to 1, for similarities; give it for distances)."""
-    import math
 
-    import numpy as np
 
     plt = _pyplot()
     num_layers = len(similarities)
@@ -100,7 +101,6 @@ def plot_layer_redundancy(redundancy: dict, out: str | Path, title: str = '') ->
 
 def plot_kv_allocation(head_map, out: str | Path, title: str = '') -> Path:
     """K and V heads per layer as paired bars (DHA Fig. 8)."""
-    import numpy as np
 
     plt = _pyplot()
     counts = np.asarray(head_map.kv_heads())
@@ -131,7 +131,6 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
 
 def plot_head_load(load, out: str | Path, title: str = '') -> Path:
     """Share of tokens routed to each head, one heatmap row per layer (MoH Fig. 3); shared heads read 1."""
-    import numpy as np
 
     plt = _pyplot()
     load = np.asarray(load, dtype=float)
@@ -149,7 +148,6 @@ def plot_head_load(load, out: str | Path, title: str = '') -> Path:
 def plot_comparison(rows: list[dict], tasks: list[str], out: str | Path) -> Path:
     """Runs side by side (`dha-train compare`): task scores as grouped bars, then KV-cache bytes, validation loss
     and training tokens per run, one panel each."""
-    import numpy as np
 
     plt = _pyplot()
     names = [row['name'] for row in rows]

@@ -11,6 +11,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from composer.algorithms import GradientClipping
+from composer.callbacks import LRMonitor, MemoryMonitor, OptimizerMonitor, RuntimeEstimator, SpeedMonitor
+from composer.loggers import ConsoleLogger, InMemoryLogger, MLFlowLogger, TensorboardLogger, WandBLogger
+
 from dha_train.config import ConfigError, unknown_key_error
 from dha_train.errors import DhaTrainError
 
@@ -77,7 +81,6 @@ algorithms = Registry('algorithms')
 
 @loggers.register('console')
 def _console_logger(log_interval: str = '10ba', stream: str = 'stdout'):
-    from composer.loggers import ConsoleLogger
 
     return ConsoleLogger(log_interval=log_interval, stream=stream)
 
@@ -87,7 +90,6 @@ def _wandb_logger(project: str | None = None, group: str | None = None, name: st
                   entity: str | None = None, tags: list[str] | None = None, log_artifacts: bool = False,
                   mode: str = 'online', dir: str | None = None):
     """W&B; ``mode: offline`` writes a run folder under ``dir`` that `wandb sync` uploads later."""
-    from composer.loggers import WandBLogger
 
     if mode not in ('online', 'offline', 'disabled'):
         raise ConfigError(f"loggers.wandb.mode: '{mode}' is not one of online, offline, disabled")
@@ -101,7 +103,6 @@ def _wandb_logger(project: str | None = None, group: str | None = None, name: st
 @loggers.register('tensorboard')
 def _tensorboard_logger(log_dir: str | None = None, flush_interval: int = 100):
     """Needs the optional `dashboards` extra (tensorboard)."""
-    from composer.loggers import TensorboardLogger
 
     return TensorboardLogger(log_dir=log_dir, flush_interval=flush_interval)
 
@@ -110,14 +111,12 @@ def _tensorboard_logger(log_dir: str | None = None, flush_interval: int = 100):
 def _mlflow_logger(experiment_name: str | None = None, run_name: str | None = None,
                    tracking_uri: str | None = None, tags: dict[str, Any] | None = None):
     """Needs the optional `dashboards` extra (mlflow). A local ``tracking_uri`` (file:/path) works offline."""
-    from composer.loggers import MLFlowLogger
 
     return MLFlowLogger(experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags)
 
 
 @loggers.register('in_memory')
 def _in_memory_logger():
-    from composer.loggers import InMemoryLogger
 
     return InMemoryLogger()
 
@@ -127,14 +126,12 @@ def _in_memory_logger():
 
 @callbacks.register('speed_monitor')
 def _speed_monitor(window_size: int = 100, gpu_flops_available: float | None = None):
-    from composer.callbacks import SpeedMonitor
 
     return SpeedMonitor(window_size=window_size, gpu_flops_available=gpu_flops_available)
 
 
 @callbacks.register('lr_monitor')
 def _lr_monitor():
-    from composer.callbacks import LRMonitor
 
     return LRMonitor()
 
@@ -142,21 +139,18 @@ def _lr_monitor():
 @callbacks.register('memory_monitor')
 def _memory_monitor():
     """Reports GPU memory; on CPU Composer warns once and logs nothing."""
-    from composer.callbacks import MemoryMonitor
 
     return MemoryMonitor()
 
 
 @callbacks.register('runtime_estimator')
 def _runtime_estimator(skip_batches: int = 1, time_unit: str = 'hours'):
-    from composer.callbacks import RuntimeEstimator
 
     return RuntimeEstimator(skip_batches=skip_batches, time_unit=time_unit)
 
 
 @callbacks.register('optimizer_monitor')
 def _optimizer_monitor(log_optimizer_metrics: bool = True):
-    from composer.callbacks import OptimizerMonitor
 
     return OptimizerMonitor(log_optimizer_metrics=log_optimizer_metrics)
 
@@ -164,7 +158,6 @@ def _optimizer_monitor(log_optimizer_metrics: bool = True):
 # --- Composer's own algorithms ----------------------------------------------------------------------------------
 @algorithms.register('gradient_clipping')
 def _gradient_clipping(clipping_type: str = 'norm', clipping_threshold: float = 1.0):
-    from composer.algorithms import GradientClipping
 
     if clipping_type not in ('norm', 'value', 'adaptive'):
         raise ConfigError(f"algorithms.gradient_clipping.clipping_type: '{clipping_type}' is not one of norm, value, "

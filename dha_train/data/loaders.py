@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from composer.core import Evaluator
+from streaming import Stream, StreamingDataLoader, StreamingDataset
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
@@ -87,7 +89,6 @@ def _stream_kwargs(cfg: TrainLoaderConfig) -> list[dict[str, Any]]:
 
 def build_train_dataloader(cfg: TrainLoaderConfig, *, device_batch_size: int, seed: int, download_retry: int = 2):
     """A ``StreamingDataLoader`` over the domain mixture. Its state dict makes mid-epoch resume exact."""
-    from streaming import Stream, StreamingDataLoader, StreamingDataset
 
     streams = _stream_kwargs(cfg)
     total = sum(s['proportion'] for s in streams)
@@ -121,8 +122,6 @@ def eval_label(domain: str) -> str:
 
 def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_names: list[str]):
     """One Composer ``Evaluator`` per domain; each logs ``metrics/eval_<domain>/<metric>``."""
-    from composer.core import Evaluator
-    from streaming import StreamingDataLoader, StreamingDataset
 
     if cfg.domains is None:
         domains = domains_with_split(cfg.root, cfg.split)

@@ -32,6 +32,9 @@ from typing import IO, Any
 
 import numpy as np
 import zstandard
+from streaming import MDSWriter
+from streaming.base.util import merge_index
+from tqdm import tqdm
 
 from dha_train.data.domains import DOMAINS, domain_of
 from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -247,7 +250,6 @@ def _init_worker(tokenizer_path: str, in_pool: bool) -> None:
 
 def _pack_file(job: FileJob) -> FileResult:
     """Tokenize, pack and write one input file; the first ``job.val_samples`` samples go to val, the rest to train."""
-    from streaming import MDSWriter
 
     tokenizer = _worker_tokenizer
     bos, eos, seq_len = tokenizer.bos_token_id, tokenizer.eos_token_id, job.seq_len
@@ -317,7 +319,6 @@ def _check_out(out: Path, overwrite: bool, files: list[InputFile], tokenizer: Pa
 
 
 def _run_jobs(jobs: list[FileJob], tokenizer_path: str, workers: int, progress: bool) -> list[FileResult]:
-    from tqdm import tqdm
 
     results: list[FileResult] = []
     documents = tokens = 0
@@ -349,7 +350,6 @@ def _run_jobs(jobs: list[FileJob], tokenizer_path: str, workers: int, progress: 
 
 def _merge_split_indexes(root: Path, results: list[FileResult]) -> None:
     """Write ``<domain>/<split>/index.json`` listing the per-file sub-folders in sorted input order."""
-    from streaming.base.util import merge_index
 
     parts: dict[Path, list[str]] = {}
     for result in sorted(results, key=lambda r: r.index):

@@ -7,6 +7,9 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 from dha_train.errors import InputNotFoundError
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
@@ -18,8 +21,6 @@ def train_byte_level_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: 
     Byte-level BPE is lossless, so decoding packed samples gives back the source text exactly.
     No post-processor adds BOS/EOS: data prep adds them itself when it packs documents.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -46,7 +47,6 @@ def train_byte_level_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: 
 
 def load_tokenizer(path: str | Path):
     """Load a HF tokenizer from a local folder; never touches a hub. Checks that BOS and EOS exist."""
-    from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
