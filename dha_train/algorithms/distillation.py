@@ -7,8 +7,9 @@ under no_grad; at ``Event.AFTER_LOSS`` the loss becomes
 
     lm_weight * L_lm + kl_weight * KL(teacher || student) + bild_weight * BiLD(student, teacher)
 
-over the positions the attention mask keeps (``ops.distill``; BiLD with ``top_k`` and ``temperature``). Each term's
-value is kept for the ``distill/*`` metrics logged at batch end.
+over the positions the attention mask keeps (``ops.distill``; BiLD with ``top_k`` and ``temperature``). Only the LM
+term is reweighted: terms that other algorithms add to the loss keep their weight, in any order of the recipe's
+``algorithms``. Each term's value is kept for the ``distill/*`` metrics logged at batch end.
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ class Distillation(Algorithm):
             mask = state.batch.get('attention_mask')
             kl = kl_loss(student, self._teacher_logits, self.temperature, mask)
             bild = bild_loss(student, self._teacher_logits, self.top_k, self.temperature, mask)
-            self._terms = {'lm': state.loss.detach(), 'kl': kl.detach(), 'bild': bild.detach()}
-            state.loss = self.lm_weight * state.loss + self.kl_weight * kl + self.bild_weight * bild
+            # Reweight only the LM term (the model's own loss of this micro-batch), so terms other algorithms
+            # added to state.loss (L0, fusion penalty, balance loss) keep their weight whatever the list order:
+            # Composer runs AFTER_LOSS algorithms in reverse order.
+            lm = state.outputs['loss']
+            self._terms = {'lm': lm.detach(), 'kl': kl.detach(), 'bild': bild.detach()}
+            state.loss = state.loss + (self.lm_weight - 1.0) * lm + self.kl_weight * kl + self.bild_weight * bild
             self._teacher_logits = None
         elif event == Event.BATCH_END and self._terms:
             logger.log_metrics({f'distill/{name}': float(value) for name, value in self._terms.items()})

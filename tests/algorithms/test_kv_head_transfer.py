@@ -3,13 +3,18 @@ group heads) under Distillation from the MHA teacher, then export as standard HF
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from composer.core import Algorithm, Event, State
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dha_train import registry
 from dha_train.algorithms.distillation import Distillation
 from dha_train.algorithms.kv_head_transfer import MASK_GROUP, KVHeadTransfer
 from dha_train.models.transfer import TransferProjection
+from dha_train.ops.hard_concrete import l0_loss
 from helpers import SEQ_LEN, tiny_recipe
 
 BATCHES = 40
@@ -114,3 +119,45 @@ def test_fsdp2_pruning_run_killed_and_resumed_keeps_its_masks_and_schedule(tmp_p
     assert len(gates) == 8
     for name, tensor in reference_weights.items():
         assert torch.equal(our_weights[name], tensor), f'{name} differs after resume'
+
+
+class AddConstantLoss(Algorithm):
+    """A third loss-adding algorithm for the order test: adds ``value`` at AFTER_LOSS."""
+
+    def __init__(self, value: float = 0.25):
+        self.value = value
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.AFTER_LOSS
+
+    def apply(self, event: Event, state: State, logger) -> None:
+        state.loss = state.loss + self.value
+
+
+registry.algorithms.register('add_constant_loss_for_tests', AddConstantLoss)
+
+
+@pytest.mark.slow
+def test_the_loss_is_the_same_for_every_order_of_the_algorithms(tmp_path, data_root, tokenizer_dir):
+    """Composer runs AFTER_LOSS algorithms in reverse list order; distillation must reweight only the LM term, so
+    the L0 term of kv_head_transfer and any other algorithm's term survive in every order (silent fault 2)."""
+    from dha_train.config import load_config
+    from dha_train.train import close_trainer, train
+
+    base = transfer_recipe(tmp_path, data_root, tokenizer_dir, max_duration='1ba', loggers={'in_memory': {}})
+    settings = {**base['algorithms'], 'add_constant_loss_for_tests': {}}
+    settings['kv_head_transfer'] = {**settings['kv_head_transfer'], 'target_start': 0.5}  # a sizeable L0 term
+    losses = {}
+    for order in itertools.permutations(settings):
+        trainer = train(load_config({**base, 'algorithms': {name: settings[name] for name in order}}))
+        try:
+            memory = next(d for d in trainer.logger.destinations if type(d).__name__ == 'InMemoryLogger')
+            transfer = next(a for a in trainer.state.algorithms if isinstance(a, KVHeadTransfer))
+            losses[order] = memory.data['loss/train/total'][-1][1]
+            expected_l0 = l0_loss(transfer._density, transfer._target)  # the L0 term of this batch
+        finally:
+            close_trainer(trainer)
+        assert float(expected_l0) > 0.1
+    assert len(losses) == 6
+    first = next(iter(losses.values()))
+    assert all(abs(loss - first) < 1e-5 for loss in losses.values()), losses
