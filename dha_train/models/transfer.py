@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dha_train.ops.hard_concrete import deterministic_gates, expected_l0, log_alpha_for_open_gates, sample_gates
+from dha_train.ops.hard_concrete import (
+    deterministic_gates,
+    expected_l0,
+    gate_noise,
+    gates_from_noise,
+    log_alpha_for_open_gates,
+)
 
 NOT_FROZEN = -1.0  # frozen_gates holds this until the gates freeze
 
@@ -42,6 +48,7 @@ class TransferProjection(nn.Module):
         # The gate noise's generator, set by KVHeadTransfer: one stream shared by every rank and checkpointed with
         # the algorithm (Composer does not restore the global RNG when a streaming run resumes mid-epoch).
         self.generator: torch.Generator | None = None
+        self.noise: torch.Tensor | None = None  # the last forward's gate noise, reused by its checkpoint recompute
 
     @property
     def frozen(self) -> bool:
@@ -50,7 +57,15 @@ class TransferProjection(nn.Module):
     def gates(self) -> torch.Tensor:
         if self.frozen:
             return self.frozen_gates
-        return sample_gates(self.log_alpha, self.generator) if self.training else deterministic_gates(self.log_alpha)
+        if not self.training:
+            return deterministic_gates(self.log_alpha)
+        # Under activation checkpointing the backward pass runs this forward again. torch restores the global RNG
+        # for that recompute, not this private stream, so a recompute (a forward inside a backward pass) reuses
+        # the noise its forward drew: the same gates, and the stream advances once per forward either way.
+        recomputing = torch._C._current_graph_task_id() != -1
+        if self.noise is None or not recomputing:
+            self.noise = gate_noise(self.log_alpha.shape, self.generator, self.log_alpha.device, self.log_alpha.dtype)
+        return gates_from_noise(self.log_alpha, self.noise)
 
     def freeze(self, log_alpha: torch.Tensor, close: bool = True) -> int:
         """Fix the gates at their deterministic values for ``log_alpha`` (this projection's whole gate logits: the

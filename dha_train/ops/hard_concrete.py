@@ -15,16 +15,28 @@ import torch
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
 
 
-def sample_gates(log_alpha: torch.Tensor, generator: torch.Generator | None = None, beta: float = BETA,
-                 gamma: float = GAMMA, zeta: float = ZETA, eps: float = 1e-6) -> torch.Tensor:
-    """One reparameterised sample of every gate (differentiable in log_alpha). The uniform noise is drawn on the
-    generator's device (the CPU for a CPU generator) and moved to log_alpha's."""
-    device = generator.device if generator is not None else log_alpha.device
-    u = torch.rand(log_alpha.shape, generator=generator, dtype=torch.float64, device=device)
-    u = u.to(device=log_alpha.device, dtype=log_alpha.dtype)
-    u = u.clamp(eps, 1.0 - eps)
+def gate_noise(shape: torch.Size, generator: torch.Generator | None = None, device: torch.device | str = 'cpu',
+               dtype: torch.dtype = torch.float32, eps: float = 1e-6) -> torch.Tensor:
+    """The uniform noise u of one sample of every gate, clamped to [eps, 1 - eps]. It is drawn in float64 on the
+    generator's device (the CPU for a CPU generator), so a stream gives the same draws on every device and rank,
+    then moved to ``device`` and ``dtype``."""
+    draw_on = generator.device if generator is not None else device
+    u = torch.rand(shape, generator=generator, dtype=torch.float64, device=draw_on)
+    return u.to(device=device, dtype=dtype).clamp(eps, 1.0 - eps)
+
+
+def gates_from_noise(log_alpha: torch.Tensor, u: torch.Tensor, beta: float = BETA, gamma: float = GAMMA,
+                     zeta: float = ZETA) -> torch.Tensor:
+    """The reparameterised gates for noise ``u`` (differentiable in log_alpha)."""
     s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / beta)
     return (s * (zeta - gamma) + gamma).clamp(0.0, 1.0)
+
+
+def sample_gates(log_alpha: torch.Tensor, generator: torch.Generator | None = None, beta: float = BETA,
+                 gamma: float = GAMMA, zeta: float = ZETA, eps: float = 1e-6) -> torch.Tensor:
+    """One reparameterised sample of every gate (differentiable in log_alpha)."""
+    u = gate_noise(log_alpha.shape, generator, log_alpha.device, log_alpha.dtype, eps)
+    return gates_from_noise(log_alpha, u, beta, gamma, zeta)
 
 
 def deterministic_gates(log_alpha: torch.Tensor, gamma: float = GAMMA, zeta: float = ZETA) -> torch.Tensor:

@@ -161,3 +161,33 @@ def test_the_loss_is_the_same_for_every_order_of_the_algorithms(tmp_path, data_r
     assert len(losses) == 6
     first = next(iter(losses.values()))
     assert all(abs(loss - first) < 1e-5 for loss in losses.values()), losses
+
+
+def _gated_step(checkpointing: bool):
+    """One float64 forward/backward of a tiny MHA model under KVHeadTransfer surgery, gates sampled (training)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ_LEN)
+    model = LlamaForCausalLM(config).double()
+    transfer = KVHeadTransfer(num_groups=2, init_log_alpha=0.0)  # gates well inside (0, 1): noise matters
+    transfer.apply_surgery(model)
+    transfer.generator.manual_seed(11)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):  # two steps: the second must draw fresh noise in both runs
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, transfer.generator.get_state()
+
+
+def test_gate_noise_is_drawn_once_per_forward_with_or_without_activation_checkpointing():
+    """Silent fault 1: the checkpoint recompute must see the forward's gates (the global RNG that torch restores
+    for it is not the gates' stream); gradients equal in float64 and the stream ends in the same state."""
+    plain, plain_rng = _gated_step(checkpointing=False)
+    recomputed, recomputed_rng = _gated_step(checkpointing=True)
+    assert plain.keys() == recomputed.keys() and any(name.endswith('log_alpha') for name in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=1e-10, msg=name)
+    assert torch.equal(plain_rng, recomputed_rng)
