@@ -108,9 +108,7 @@ def export_model(config: PretrainedConfig, weights: Weights) -> tuple[Pretrained
     """A checkpoint's (config, weights) -> the exportable model's: its method's export, or unchanged when the
     checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked)."""
     method = method_of(config, weights)
-    if method is None or method.export is None:
-        config, weights = config, weights
-    else:
+    if method is not None and method.export is not None:
         try:
             config, weights = method.export(config, weights)
         except ValueError as exc:

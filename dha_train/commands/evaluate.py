@@ -20,7 +20,6 @@ import wandb
 from composer import Trainer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import dha_train.models  # noqa: F401  (DHA and MoH classes resolve without remote code too)
 from dha_train.builders import wrap_composer
 from dha_train.config import EvalLoaderConfig
 from dha_train.data.loaders import build_evaluators, check_data_matches_model
