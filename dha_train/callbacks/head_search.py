@@ -5,11 +5,16 @@ its V heads) for a short run (about 240 steps at paper scale). Every ``interval`
 K and V head distances: the weight-space form of Eq. 6, L(h, h') = 1/g ||W^(h) - W^(h')||^2, drives the grouping,
 and the omega-only form of Eq. 7 is logged and saved beside it. At the end of the run, on the mean distances:
 
-1. every (layer, kind) matrix is grouped into equal groups by simulated annealing (Alg. 4, incremental swap deltas)
-   at every head count that divides H, maximising minus the within-group distance;
-2. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the MHA K+V heads, the cost
-   of a count being the summed within-group distance of its best grouping (a layer whose heads sit far apart is
-   expensive to fuse, so it keeps more heads: the role Alg. 5 gives the per-layer fusion loss);
+1. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the MHA K+V heads, from
+   each layer's fusion loss (Eq. 7 as Alg. 3 normalises it, per kind, averaged over the Search): the cost of giving a
+   (layer, kind) ``c`` heads is its loss x (H / c - 1), so layers whose heads resist fusing keep more heads (section
+   4.3: "allocate more head budget to layers with higher loss"; App. B.4). That loss lives in the space of the fusion
+   weights omega, which start at the Kronecker delta in every layer, so it measures how hard the heads are to fuse and
+   not how large W_k or W_v happen to be: rescaling W_k (and W_q inversely) or W_v (and W_o) leaves it, and the
+   allocation, unchanged;
+2. every (layer, kind) matrix of Eq. 6 weight-space distances is grouped into that many equal groups by simulated
+   annealing (Alg. 4, incremental swap deltas; temperatures follow each matrix's spread, so a rescaled layer groups
+   the same way);
 3. ``out`` receives head_map.json (the Fusion stage's input), search.json, distances.pt, kv_heads.png (Fig. 8) and
    head_distance_{key,value}.png.
 
@@ -32,9 +37,8 @@ from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
-from dha_train.ops.budget import allocate_kv_heads, group_and_allocate, whole_head_count
+from dha_train.ops.budget import allocate_kv_heads, fusion_loss_costs, group_at_allocation, whole_head_count
 from dha_train.ops.fusion import head_distances
-from dha_train.ops.grouping import within_group_score
 from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.plots import plot_head_similarity, plot_kv_allocation
 
@@ -46,11 +50,6 @@ KINDS = ('key', 'value')
 def total_heads_for_budget(kv_budget: float, num_layers: int, num_heads: int) -> int:
     """The K+V head total that ``kv_budget`` (a fraction of the MHA K+V heads) stands for; it must be whole."""
     return whole_head_count(kv_budget, 2 * num_layers * num_heads)
-
-
-def summed_distance(similarity: torch.Tensor, partition) -> float:
-    """Summed within-group distance of a grouping, from the negated distances the annealer maximises."""
-    return -within_group_score(similarity, partition)
 
 
 class HeadSearch(Callback):
@@ -140,11 +139,12 @@ class HeadSearch(Callback):
         num_layers, num_heads = weight.shape[0] // 2, weight.shape[-1]
         head_dim = self._fusion.projections[0][0].head_dim
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
-        key_partitions, value_partitions, costs = group_and_allocate(
-            -weight, num_layers, num_heads, total, summed_distance, restarts=self.restarts, steps=self.steps,
-            seed=self.seed, allowed=self.allowed)
-        head_map = HeadMap.dha(key_partitions, value_partitions, num_heads, head_dim)
         layer_loss = (self.loss_sum / self.records).tolist()
+        costs = fusion_loss_costs(layer_loss, num_heads, allowed=self.allowed)
+        allocation = allocate_kv_heads(costs, num_layers, num_heads, total, allowed=self.allowed)
+        key_partitions, value_partitions = group_at_allocation(-weight, allocation, restarts=self.restarts,
+                                                               steps=self.steps, seed=self.seed)
+        head_map = HeadMap.dha(key_partitions, value_partitions, num_heads, head_dim)
         return {
             'head_map': head_map.to_dict(), 'kv_budget': self.kv_budget, 'kv_heads_total': total,
             'kv_budget_fraction': head_map.kv_budget_fraction(), 'recorded_batches': self.records,

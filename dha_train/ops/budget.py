@@ -8,7 +8,8 @@ so it is not reproduced (DESIGN.md section 5).
 
 Costs are ``cost[layer][kind][count]`` (any nested indexable: lists, dicts, arrays) or a callable
 ``cost(layer, kind, count)``; kind is ``KEY`` (0) or ``VALUE`` (1). ``fusion_loss_costs`` builds a table from
-per-layer fusion-loss scores.
+per-layer fusion-loss scores (what the DHA Search allocates from); ``group_at_allocation`` then groups each
+(layer, kind) at the count it was given.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ def fusion_loss_costs(scores: Sequence[Sequence[float]] | np.ndarray, num_heads:
                       penalty: Callable[[int, int], float] = compression_penalty) -> list[list[dict[int, float]]]:
     """Cost table ``cost[layer][kind][count] = scores[layer][kind] * penalty(count, num_heads)``.
 
-    ``scores`` is (L, 2): a per-layer fusion-loss-like number for K and for V (e.g. the summed Search-stage head
-    distances, Eq. 6). This is a modelling choice, not the paper's formula: Alg. 5 only says that layers with a higher
-    fusion loss get more heads, and a cost that grows with score x compression gives exactly that under the DP.
-    Swap ``penalty`` (or pass any callable to ``allocate_kv_heads``) to model it differently.
+    ``scores`` is (L, 2): each layer's fusion loss for K and for V (the DHA Search passes the omega-space loss of
+    Eq. 7 / Alg. 3, averaged over the Search). The product is a modelling choice, not the paper's formula: Alg. 5
+    only says that layers with a higher fusion loss get more heads, and a cost that grows with score x compression
+    gives exactly that under the DP. Swap ``penalty`` (or pass any callable to ``allocate_kv_heads``) to model it
+    differently.
     """
     table = np.asarray(scores, dtype=np.float64)
     if table.ndim != 2 or table.shape[1] != 2:
@@ -131,6 +133,23 @@ def fusion_loss_costs(scores: Sequence[Sequence[float]] | np.ndarray, num_heads:
     counts = _allowed_counts(num_heads, allowed)
     return [[{count: float(table[layer, kind]) * penalty(count, num_heads) for count in counts} for kind in KINDS]
             for layer in range(table.shape[0])]
+
+
+def group_at_allocation(similarities: Any, allocation: Sequence[tuple[int, int]], *, restarts: int = 8,
+                        steps: int | None = None, seed: int = 0) -> tuple[list, list]:
+    """Each (layer, kind) matrix of a (2L, H, H) stack (every layer's K first, then every V) grouped by annealing
+    into the number of equal groups ``allocation`` gives it. Returns (key partitions, value partitions)."""
+    num_layers = len(allocation)
+    if len(similarities) != 2 * num_layers:
+        raise ValueError(f'expected {2 * num_layers} matrices (K then V for {num_layers} layers), got {len(similarities)}')
+    wanted = [allocation[layer][kind] for kind in KINDS for layer in range(num_layers)]
+    partitions: list = [None] * len(wanted)
+    for count in sorted(set(wanted)):  # one batched annealing per distinct count
+        indices = [index for index, c in enumerate(wanted) if c == count]
+        grouped = anneal_equal_groups_batch(similarities[indices], count, restarts=restarts, steps=steps, seed=seed)
+        for index, partition in zip(indices, grouped):
+            partitions[index] = partition
+    return partitions[:num_layers], partitions[num_layers:]
 
 
 def group_and_allocate(similarities: Any, num_layers: int, num_heads: int, total_heads: int,
