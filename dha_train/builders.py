@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with the transformers Auto classes)
 from dha_train import methods
 from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
+from dha_train.distributed import causal_lm_on_meta
 from dha_train.models.llama_layout import is_decoder_block
 
 
@@ -39,9 +40,14 @@ def build_llama_config(cfg: ModelConfig):
     return llama_config
 
 
-def build_llama(cfg: ModelConfig):
+def build_llama(cfg: ModelConfig, on_meta_device: bool = False):
     """A ``LlamaForCausalLM`` (or the DHA / MoH class of a method's export) in fp32; Composer's autocast gives bf16
-    compute on GPU."""
+    compute on GPU.
+
+    ``on_meta_device``: the same model without weights (parameters and buffers on the meta device), for the ranks
+    other than global rank 0 when only rank 0 reads the weights (``model.load_on_rank0``): Composer's FSDP2 sees the
+    mixed initialisation and broadcasts rank 0's weights while it shards the model.
+    """
     llama_config = build_llama_config(cfg)
     if cfg.attn_implementation == 'flash_attention_2':
         try:
@@ -49,7 +55,9 @@ def build_llama(cfg: ModelConfig):
         except ImportError as exc:
             raise ConfigError("model.attn_implementation 'flash_attention_2' needs the optional extra: "
                               "pip install 'dha_train[gpu]'") from exc
-    if cfg.pretrained_path is not None:
+    if on_meta_device:
+        model = causal_lm_on_meta(llama_config)
+    elif cfg.pretrained_path is not None:
         model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, config=llama_config,
                                                      local_files_only=True, torch_dtype=torch.float32)
     else:

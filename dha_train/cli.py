@@ -17,7 +17,8 @@ from dha_train.errors import DhaTrainError
 COMMANDS: dict[str, tuple[str, str]] = {
     'quickstart': ('quickstart', 'build a corpus from the Python stdlib, train a tokenizer, pretrain a tiny MHA '
                    'LLaMA, convert it with DHA and GQA at a 25% KV budget and report'),
-    'data': ('data_prep', 'data preparation (data prep: RedPajama JSONL -> tokenized MDS shards per domain)'),
+    'data': ('data_prep', 'data preparation (data prep: RedPajama JSONL -> tokenized MDS shards per domain; '
+             'data verify: check the shards against their recorded hashes)'),
     'train': ('train', 'train from a YAML recipe in this process (use `composer -n N -m dha_train.train` for several)'),
     'export': ('export', 'Composer checkpoint -> Hugging Face folder'),
     'eval': ('evaluate', 'lm-evaluation-harness on an HF folder or a checkpoint (any model the project exports)'),
@@ -29,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     'align': ('align', 'aligned GQA transform: Procrustes similarity, grouping by key or value, alignment folded into '
               'the weights, heads permuted into contiguous groups'),
     'convert': ('convert', 'mean-pool the K/V heads of an MHA HF folder to a head map (the GQA baseline)'),
-    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search)'),
+    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load)'),
 }
 
 

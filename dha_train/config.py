@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from composer.core import Time
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from streaming.base.hashing import get_hashes
 from transformers import LlamaConfig
 
 from dha_train.data.domains import DOMAINS
@@ -42,6 +43,12 @@ class ModelConfig:
     # 'sdpa' (default), 'eager', or 'flash_attention_2' (needs the optional `gpu` extra).
     attn_implementation: str = 'sdpa'
     activation_checkpointing: bool = False
+    # Under FSDP with more than one process, only global rank 0 reads the pretrained weights (or draws the initial
+    # ones); the other ranks build the model on the meta device, without memory, and Composer's FSDP2 broadcasts
+    # rank 0's weights into every rank's shards. Host memory then holds one full fp32 copy (on rank 0) instead of
+    # one per process (27 GB each for a 7B). A distillation teacher follows the same path. false: every rank loads
+    # the whole model, as before (kept for comparison: `dha-train bench load`).
+    load_on_rank0: bool = True
 
 
 @dataclass
@@ -61,6 +68,9 @@ class TrainLoaderConfig:
     split: str = 'train'
     # One entry per domain. Null: every domain found under root, with the RedPajama proportions.
     streams: Optional[dict[str, StreamConfig]] = None
+    # Samples per epoch over all ranks, drawn from the streams by proportion (streaming's epoch_size); null: the
+    # streams' total sample count. Resume is exact within and across epochs.
+    epoch_size: Optional[int] = None
     shuffle: bool = True
     shuffle_algo: str = 'py1e'
     shuffle_block_size: Optional[int] = None
@@ -72,6 +82,12 @@ class TrainLoaderConfig:
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     drop_last: bool = True
+    # Shard integrity. Splits read in place (no remote) are checked before training: every shard file's size, and
+    # its hash as index.json records it. 'auto': the hash data prep records (xxh64), sizes only for data recorded
+    # without hashes; an algorithm name (xxh64, sha1, ...): every shard must record that one; null: no check. The
+    # ranks of a node share the hashing; xxh64 runs at ~11 GB/s per core, so reading the files bounds it. A
+    # remote's shards are checked by streaming as it downloads them, and only when an algorithm is named.
+    validate_hash: Optional[str] = 'auto'
 
 
 @dataclass
@@ -84,6 +100,8 @@ class EvalLoaderConfig:
     num_workers: int = 0
     # Batches per domain per evaluation; -1 means the whole split.
     subset_num_batches: int = -1
+    # Shard integrity, as train_loader.validate_hash.
+    validate_hash: Optional[str] = 'auto'
 
 
 # Composer's DecoupledAdamW decays by weight_decay (times the lr schedule's factor) per step: 1e-3 already halves an
@@ -280,9 +298,16 @@ def _check_values(config: TrainConfig) -> None:
         for domain in config.eval_loader.domains or []:
             if domain not in DOMAINS:
                 raise ConfigError(f"eval_loader.domains: unknown domain '{domain}' (valid: {', '.join(DOMAINS)})")
+    for where, loader in (('train_loader', config.train_loader), ('eval_loader', config.eval_loader)):
+        if loader is not None and loader.validate_hash not in (None, 'auto', *get_hashes()):
+            raise ConfigError(f"{where}.validate_hash: '{loader.validate_hash}' is neither auto, null nor a hash "
+                              f"streaming knows ({', '.join(sorted(get_hashes()))})")
     for stream_domain, stream in (config.train_loader.streams or {}).items():
         if stream.proportion is not None and stream.proportion <= 0:
             raise ConfigError(f'train_loader.streams.{stream_domain}.proportion must be > 0, got {stream.proportion}')
+    if config.train_loader.epoch_size is not None and config.train_loader.epoch_size < config.global_train_batch_size:
+        raise ConfigError(f'train_loader.epoch_size={config.train_loader.epoch_size} samples is less than one global '
+                          f'batch ({config.global_train_batch_size})')
     if config.global_train_batch_size <= 0 or config.device_train_microbatch_size <= 0:
         raise ConfigError('global_train_batch_size and device_train_microbatch_size must be positive')
     if config.autoresume and (config.save_folder is None or config.run_name is None):

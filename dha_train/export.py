@@ -11,53 +11,14 @@ from pathlib import Path
 
 import torch
 from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so every exported config resolves)
+from dha_train.checkpoints import CheckpointError, load_composer_state, resolve_checkpoint
 from dha_train.data.tokenizer import load_tokenizer
-from dha_train.errors import DhaTrainError
 from dha_train.methods import MethodError, export_model
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import refuse_nonempty, staged_folder
-
-LATEST = 'latest-rank0.pt'
-
-
-class CheckpointError(DhaTrainError, ValueError):
-    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint file, a sharded checkpoint folder, or a save_folder (its latest checkpoint)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f'checkpoint not found: {path}')
-    if path.is_dir() and not (path / '.metadata').is_file():
-        latest = path / LATEST
-        if not latest.exists():
-            raise CheckpointError(f'{path} is neither a checkpoint nor a save_folder with a {LATEST} link')
-        path = latest
-    return path.resolve()
-
-
-def load_composer_state(path: str | Path) -> dict:
-    """Load a whole Composer checkpoint into memory as the nested dict Composer saved."""
-    path = resolve_checkpoint(path)
-    try:
-        if path.is_dir():
-            # Sharded (FSDP2 / torch.distributed.checkpoint) folder: gather the shards into one state dict.
-            with tempfile.TemporaryDirectory() as tmp:
-                gathered = Path(tmp) / 'gathered.pt'
-                dcp_to_torch_save(str(path), str(gathered))
-                state = torch.load(gathered, map_location='cpu', weights_only=False)
-        else:
-            state = torch.load(path, map_location='cpu', weights_only=False)
-    except Exception as exc:  # torch raises many types for truncated or foreign files
-        raise CheckpointError(f'cannot read checkpoint {path} (corrupted or incomplete?): {exc}') from exc
-    if not isinstance(state, dict) or 'model' not in state.get('state', {}):
-        raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
-    return state
 
 
 def _hf_parts(state: dict, checkpoint: Path):

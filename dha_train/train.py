@@ -15,15 +15,17 @@ from pathlib import Path
 
 import torch
 from composer import Trainer
-from composer.utils import FSDP2Config, dist, get_device, reproducibility
+from composer.utils import FSDP2Config, dist, get_device, partial_format, reproducibility
 
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
 from dha_train import registry
 from dha_train.builders import build_llama, build_llama_config, wrap_composer
+from dha_train.checkpoints import LATEST, CheckpointError, check_checkpoint
 from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config
 from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
+from dha_train.distributed import average_fsdp_gradients
 from dha_train.errors import DhaTrainError
 from dha_train.optim import build_optimizer, build_scheduler
 
@@ -53,6 +55,35 @@ def _device_batch_size(config: TrainConfig, world_size: int) -> int:
     return per_device
 
 
+def check_checkpoint_to_load(config: TrainConfig) -> None:
+    """Refuse, before anything is built, the checkpoint Composer would load: autoresume's latest link in a local
+    save_folder when there is one (Composer then ignores load_path), else load_path. Global rank 0 checks and every
+    rank raises the same CheckpointError; the save folder is left exactly as it is."""
+    def named(value: str) -> Path:  # Composer formats {run_name}; without one in the config it draws a random name
+        return Path(partial_format(value, run_name=config.run_name) if config.run_name else value)
+
+    setting = path = note = None
+    if config.autoresume and config.save_folder and '://' not in config.save_folder:
+        folder = named(config.save_folder)
+        if (folder / LATEST).is_symlink() or (folder / LATEST).exists():
+            setting, path = 'autoresume', folder / LATEST
+            note = (f'; it is what {path} names, and nothing in {folder} was changed: point {LATEST} at an earlier '
+                    'checkpoint there to resume from that one')
+    if path is None and config.load_path and '://' not in config.load_path:
+        setting, path, note = 'load_path', named(config.load_path), ''
+    if path is None:
+        return
+    problem = [None]
+    if dist.get_global_rank() == 0:
+        try:
+            check_checkpoint(path)
+        except CheckpointError as exc:
+            problem = [str(exc)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise CheckpointError(f'{setting}: {problem[0]}{note}')
+
+
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
     device, precision = resolve_device_and_precision(config)
@@ -66,6 +97,7 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     dist.initialize_dist(get_device(device), timeout=config.dist_timeout)
     world_size = dist.get_world_size()
     device_batch_size = _device_batch_size(config, world_size)
+    check_checkpoint_to_load(config)
 
     # Cheap checks first: data layout, vocabulary and sequence length against the model config.
     llama_config = build_llama_config(config.model)
@@ -88,9 +120,14 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
         evaluators = build_evaluators(config.eval_loader, device_batch_size=config.device_eval_batch_size,
                                       metric_names=['LanguageCrossEntropy', 'LanguagePerplexity'])
 
-    # Same seed on every rank, so every rank builds the same initial weights before FSDP shards them.
+    # Same seed on every rank, so every rank that builds weights builds the same ones before FSDP shards them. Under
+    # FSDP with several processes only rank 0 does (model.load_on_rank0): the others build the model on the meta
+    # device, and Composer's FSDP2 broadcasts rank 0's weights as it shards the model.
     reproducibility.seed_all(config.seed)
-    model = wrap_composer(build_llama(config.model), tokenizer)
+    fsdp_enabled = config.fsdp is not None and config.fsdp.enabled
+    on_meta_device = (config.model.load_on_rank0 and fsdp_enabled and world_size > 1
+                      and dist.get_global_rank() != 0)
+    model = wrap_composer(build_llama(config.model, on_meta_device=on_meta_device), tokenizer)
     optimizer = build_optimizer(model, config.optimizer)
 
     parallelism_config = None
@@ -131,6 +168,10 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
         log_to_console=not config.progress_bar and 'console' not in config.loggers,
         dist_timeout=config.dist_timeout,
     )
+    # gloo sums where FSDP2 asks it to average; see average_fsdp_gradients.
+    if average_fsdp_gradients(trainer.state.model) and dist.get_global_rank() == 0:
+        print(f'dha_train: this backend sums FSDP2 gradients over ranks; dividing by the {world_size} ranks',
+              flush=True)
     trainer.logger.log_hyperparameters({'dha_train_config': config_to_dict(config)})
     if config.save_folder is not None and dist.get_global_rank() == 0 and '://' not in config.save_folder:
         folder = Path(config.save_folder.format(run_name=trainer.state.run_name))

@@ -78,17 +78,24 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def composer_command(nproc: int, recipe: Path, *overrides: str, port: int | None = None) -> list[str]:
+TRAIN_ENTRY = ('-m', 'dha_train.train')
+# The same entry point plus the `record_samples_for_tests` callback (which samples each rank trained on).
+RECORDING_ENTRY = (str(REPO / 'tests' / 'scripts' / 'train_recording_samples.py'),)
+
+
+def composer_command(nproc: int, recipe: Path, *overrides: str, port: int | None = None,
+                     entry: tuple[str, ...] = TRAIN_ENTRY) -> list[str]:
     port = free_port() if port is None else port
     return [sys.executable, '-m', 'composer.cli.launcher', '-n', str(nproc), '--master_port', str(port),
-            '-m', 'dha_train.train', str(recipe), *overrides]
+            *entry, str(recipe), *overrides]
 
 
-def run_composer(nproc: int, recipe: Path, *overrides: str, log: Path, port: int | None = None, timeout: int = 300):
+def run_composer(nproc: int, recipe: Path, *overrides: str, log: Path, port: int | None = None, timeout: int = 300,
+                 entry: tuple[str, ...] = TRAIN_ENTRY):
     """A real `composer -n N` launch (gloo on CPU); returns the completed process with its output in ``log``."""
     env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
     with log.open('w') as handle:
-        done = subprocess.run(composer_command(nproc, recipe, *overrides, port=port), stdout=handle,
+        done = subprocess.run(composer_command(nproc, recipe, *overrides, port=port, entry=entry), stdout=handle,
                               stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout)
     return done
 
@@ -102,13 +109,15 @@ def latest_checkpoint_batch(save_folder: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *, log: Path, port: int | None = None,
-                                     at_least: int) -> int:
-    """Launch `composer -n 2`, SIGKILL the whole process group as soon as a checkpoint at batch >= ``at_least``
+def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides: str, log: Path,
+                                     port: int | None = None, at_least: int, nproc: int = 2,
+                                     entry: tuple[str, ...] = TRAIN_ENTRY) -> int:
+    """Launch `composer -n nproc`, SIGKILL the whole process group as soon as a checkpoint at batch >= ``at_least``
     exists, and return the batch the run would resume from."""
     env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
     with log.open('w') as handle:
-        proc = subprocess.Popen(composer_command(2, recipe, f'save_folder={save_folder}', port=port),
+        proc = subprocess.Popen(composer_command(nproc, recipe, f'save_folder={save_folder}', *overrides, port=port,
+                                                 entry=entry),
                                 stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         deadline = time.monotonic() + 240
         while (latest_checkpoint_batch(save_folder) or 0) < at_least:

@@ -2,8 +2,9 @@
 
 The teacher is an HF causal LM folder (``teacher_path``, e.g. the original MHA model), loaded at ``Event.FIT_START``
 onto the run's device, frozen and in eval mode; under FSDP it is sharded like the student (``fully_shard`` per
-decoder layer and at the root, on the same device mesh). At ``Event.AFTER_FORWARD`` it runs on the same micro-batch
-under no_grad; at ``Event.AFTER_LOSS`` the loss becomes
+decoder layer and at the root, on the same device mesh), and when the student's weights came from rank 0 alone
+(``model.load_on_rank0``) so do the teacher's: the other ranks build it on the meta device. At
+``Event.AFTER_FORWARD`` it runs on the same micro-batch under no_grad; at ``Event.AFTER_LOSS`` the loss becomes
 
     lm_weight * L_lm + kl_weight * KL(teacher || student) + bild_weight * BiLD(student, teacher)
 
@@ -20,12 +21,13 @@ from typing import Any, Optional
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
-from transformers import AutoModelForCausalLM
+from composer.utils import dist
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes, should the teacher be one)
 from dha_train import registry
 from dha_train.config import ConfigError
-from dha_train.distributed import shard_like
+from dha_train.distributed import causal_lm_on_meta, shard_like
 from dha_train.errors import InputNotFoundError
 from dha_train.ops.distill import bild_loss, kl_loss
 
@@ -51,17 +53,26 @@ class Distillation(Algorithm):
         return event in (Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
 
     def _load_teacher(self, state: State) -> None:
+        # The teacher loads the way the student did: when Composer broadcast the student from rank 0 (the ranks
+        # other than 0 built it on the meta device, model.load_on_rank0), only rank 0 reads the teacher too.
+        from_rank0 = state.fsdp_config is not None and state.fsdp_config.sync_module_states
         # Building the model draws random initial weights before loading; forking keeps those draws out of the
         # training RNG streams, so a resumed run (which loads the teacher again, mid-run) continues exactly.
         with torch.random.fork_rng():
-            teacher = AutoModelForCausalLM.from_pretrained(self.teacher_path, local_files_only=True,
-                                                           torch_dtype=torch.float32)
+            if from_rank0 and dist.get_global_rank() != 0:
+                teacher = causal_lm_on_meta(AutoConfig.from_pretrained(self.teacher_path, local_files_only=True))
+            else:
+                teacher = AutoModelForCausalLM.from_pretrained(self.teacher_path, local_files_only=True,
+                                                               torch_dtype=torch.float32)
         student_config = state.model.model.config if hasattr(state.model, 'model') else state.model.config
         if teacher.config.vocab_size != student_config.vocab_size:
             raise ConfigError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '
                              f'{student_config.vocab_size}')
         teacher.requires_grad_(False).eval()
-        self.teacher = shard_like(state.device.module_to_device(teacher), state.model)
+        if from_rank0:
+            self.teacher = shard_like(teacher, state.model, weights_from_rank0=True)  # sharding moves it to the device
+        else:
+            self.teacher = shard_like(state.device.module_to_device(teacher), state.model)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.FIT_START:

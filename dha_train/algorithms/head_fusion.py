@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
+from composer.utils import dist
 
 from dha_train import registry
 from dha_train.config import ConfigError
@@ -110,7 +111,9 @@ class HeadFusion(Algorithm):
             attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_attention_heads), width)
             self.projections.append((attn.k_proj, attn.v_proj))
         tag_method(config, 'dha')  # the checkpoint exports by baking the fusion (dha_train.methods)
-        if self.progressive:
+        # A rank without weights yet (model.load_on_rank0 builds ranks other than 0 on the meta device) cannot split
+        # the groups by head distance: it takes rank 0's split at Event.INIT.
+        if self.progressive and not self.projections[0][0].weight.is_meta:
             self._enter_stage(0)
         return [p.omega for pair in self.projections for p in pair]
 
@@ -194,6 +197,13 @@ class HeadFusion(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             omegas = self.apply_surgery(state.model)
+            if self.progressive and dist.get_world_size() > 1:
+                # Every rank fuses rank 0's stage-0 sub-groups (the only ones under model.load_on_rank0; otherwise
+                # every rank split the same weights alike).
+                subgroups = [self.stage_subgroups]
+                dist.broadcast_object_list(subgroups, src=0)
+                self.stage_subgroups = subgroups[0]
+                self._point_projections_at_subgroups()
             for optimizer in state.optimizers:
                 add_param_group(optimizer, OMEGA_GROUP, omegas, lr=self.omega_lr, weight_decay=0.0)
         elif event == Event.FIT_START:

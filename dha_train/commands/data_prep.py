@@ -1,4 +1,5 @@
-"""`dha-train data prep`: RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain (``data.prep``)."""
+"""`dha-train data prep`: RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain (``data.prep``);
+`dha-train data verify`: every shard file against the size and hash its index.json records (``data.integrity``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from typing import Any
 
 from dha_train.data.domains import DOMAINS
+from dha_train.data.integrity import AUTO, verify_data
 from dha_train.data.prep import SPLITS, default_workers, prep_redpajama
 
 
@@ -14,10 +16,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep = data.add_parser('prep', help='RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain')
     add_prep_arguments(prep)
     prep.set_defaults(func=run)
+    verify = data.add_parser('verify', help='check every shard file under a data folder against the size and hash '
+                             'its index.json records (what train_loader.validate_hash checks at the start of a run)')
+    verify.add_argument('root', help='a folder written by `dha-train data prep` (or one MDS split folder)')
+    verify.add_argument('--hash', default=AUTO, metavar='ALGORITHM',
+                        help='hash to check: auto (the one recorded, xxh64 for data prep), or a name such as sha1 '
+                             '(default: %(default)s)')
+    verify.set_defaults(func=run_verify)
 
 
 def run(args: argparse.Namespace) -> int:
     run_prep_from_args(args)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    for split, files, algorithms in verify_data(args.root, args.hash):
+        checked = ', '.join(sorted(a for a in algorithms if a)) or 'sizes only: no hashes recorded'
+        print(f'  {split:<24} {files:>6} shard files ok ({checked})')
+    print(f'data verify: {args.root}: every shard file matches its index.json')
     return 0
 
 

@@ -18,6 +18,7 @@ from streaming import Stream, StreamingDataLoader, StreamingDataset
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
+from dha_train.data.integrity import check_splits, streaming_hash
 from dha_train.data.prep import MANIFEST_NAME, TOKENS_COLUMN, read_manifest
 from dha_train.data.tokenizer import tokenizer_fingerprint
 
@@ -83,7 +84,7 @@ def _stream_kwargs(cfg: TrainLoaderConfig) -> list[dict[str, Any]]:
             raise ConfigError(f"train_loader.streams.{domain}: no MDS index at '{local}/index.json' "
                               f"(domains with a '{cfg.split}' split under {cfg.root}: {found or 'none'})")
         proportion = stream.proportion if stream and stream.proportion is not None else REDPAJAMA_PROPORTIONS[domain]
-        resolved.append({'local': local, 'remote': remote, 'proportion': proportion})
+        resolved.append({'domain': domain, 'local': local, 'remote': remote, 'proportion': proportion})
     return resolved
 
 
@@ -91,10 +92,15 @@ def build_train_dataloader(cfg: TrainLoaderConfig, *, device_batch_size: int, se
     """A ``StreamingDataLoader`` over the domain mixture. Its state dict makes mid-epoch resume exact."""
 
     streams = _stream_kwargs(cfg)
+    # Local splits are checked here; a remote's shards by streaming, as it downloads them.
+    check_splits([(f"domain {s['domain']}", s['local']) for s in streams if s['remote'] is None], cfg.validate_hash,
+                 where='train_loader')
     total = sum(s['proportion'] for s in streams)
     dataset = StreamingDataset(
-        streams=[Stream(local=s['local'], remote=s['remote'], proportion=s['proportion'] / total) for s in streams],
+        streams=[Stream(local=s['local'], remote=s['remote'], proportion=s['proportion'] / total,
+                        validate_hash=streaming_hash(cfg.validate_hash) if s['remote'] else None) for s in streams],
         batch_size=device_batch_size,
+        epoch_size=cfg.epoch_size,
         shuffle=cfg.shuffle,
         shuffle_algo=cfg.shuffle_algo,
         shuffle_seed=seed,
@@ -131,13 +137,19 @@ def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_na
                               'or list eval_loader.domains when streaming from a remote')
     else:
         domains = list(cfg.domains)
-    evaluators = []
+    locations = {}
     for domain in domains:
         local = _split_dir(cfg.root, domain, cfg.split)
         remote = f'{cfg.remote.rstrip("/")}/{domain}/{cfg.split}' if cfg.remote else None
         if remote is None and not (local / 'index.json').is_file():
             raise ConfigError(f"eval_loader.domains: '{domain}' has no MDS index at '{local}/index.json'")
-        dataset = StreamingDataset(local=str(local), remote=remote, batch_size=device_batch_size, shuffle=False)
+        locations[domain] = local, remote
+    check_splits([(f'domain {domain}', local) for domain, (local, remote) in locations.items() if remote is None],
+                 cfg.validate_hash, where='eval_loader')
+    evaluators = []
+    for domain, (local, remote) in locations.items():
+        dataset = StreamingDataset(local=str(local), remote=remote, batch_size=device_batch_size, shuffle=False,
+                                   validate_hash=streaming_hash(cfg.validate_hash) if remote else None)
         loader = StreamingDataLoader(dataset, batch_size=device_batch_size, collate_fn=collate_tokens,
                                      drop_last=False, num_workers=cfg.num_workers)
         evaluators.append(Evaluator(label=eval_label(domain), dataloader=loader, metric_names=metric_names,

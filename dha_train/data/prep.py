@@ -45,6 +45,10 @@ SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
 TOKENS_COLUMN = 'tokens'
 MANIFEST_NAME = 'manifest.json'
 MANIFEST_VERSION = 1
+# Every shard's hash goes into index.json. xxh64: xxhash is a dependency of mosaicml-streaming itself (no extra
+# package), and at about 11 GB/s per core it is ~7x faster than sha1, so checking a shard costs less than reading it
+# from disk. These hashes catch corruption (bad copies, truncation, bit rot), not tampering.
+SHARD_HASH = 'xxh64'
 
 # Tokenizer batches are bounded by characters too, so a file of whole books does not hold gigabytes at once.
 _BATCH_DOCS = 1024
@@ -269,7 +273,7 @@ def _pack_file(job: FileJob) -> FileResult:
                 folder = Path(job.out_root, job.file.domain, split, job.subfolder)
                 writers[split] = stack.enter_context(
                     MDSWriter(out=str(folder), columns={TOKENS_COLUMN: f'ndarray:{job.token_dtype}'},
-                              compression=job.compression)
+                              compression=job.compression, hashes=[SHARD_HASH])
                 )
             return writers[split]
 
@@ -418,6 +422,7 @@ def _build_manifest(results: list[FileResult], *, seq_len: int, tokenizer_path: 
         'column': TOKENS_COLUMN,
         'token_dtype': token_dtype,
         'compression': compression,
+        'shard_hashes': [SHARD_HASH],
         'val_tokens': val_tokens,
         'domains': dict(sorted(domains.items())),
     }

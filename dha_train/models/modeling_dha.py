@@ -8,7 +8,8 @@ K/V are expanded to the query heads after the cache update, and the standard att
 flash-attention-2) then run as plain MHA.
 
 This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
-exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere.
+exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
+under transformers 4.5x and 5.x alike (tests/commands/test_export_transformers5.py loads exports in both).
 """
 
 from __future__ import annotations
@@ -110,15 +111,24 @@ class DhaLlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
+    def reset_head_index(self) -> None:
+        """Refill the head-index buffers from the config (``_init_weights`` calls this)."""
+        key_index, value_index = self.config.layer_head_map(self.layer_idx)
+        self.key_index.copy_(torch.tensor(key_index, dtype=torch.long))
+        self.value_index.copy_(torch.tensor(value_index, dtype=torch.long))
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: Optional[torch.Tensor],
-        past_key_value: Optional[Cache] = None,
+        past_key_values: Optional[Cache] = None,
         cache_position: Optional[torch.LongTensor] = None,
+        past_key_value: Optional[Cache] = None,
         **kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # transformers 4.5x's decoder layer passes the cache as ``past_key_value``, 5.x's as ``past_key_values``.
+        cache = past_key_values if past_key_values is not None else past_key_value
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -130,11 +140,15 @@ class DhaLlamaAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_value is not None:
+        if cache is not None and self.layer_idx == 0 and getattr(cache, "is_compileable", False):
+            # transformers 5.x no longer refuses a static cache for models without _supports_static_cache.
+            raise ValueError("DHA layers have their own numbers of key and value heads, which a preallocated "
+                             "(static) cache cannot hold: generate with the default dynamic cache")
+        if cache is not None:
             # The cache holds only the compact heads; DynamicCache keeps K and V as separate tensors, so their head
             # counts may differ.
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, cache_kwargs)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
         key_states = key_states.index_select(1, self.key_index)
         value_states = value_states.index_select(1, self.value_index)
@@ -170,6 +184,14 @@ class DhaLlamaPreTrainedModel(LlamaPreTrainedModel):
     _no_split_modules = ["DhaLlamaDecoderLayer"]
     # A static cache preallocates num_key_value_heads for every layer; DHA layers differ, so use a dynamic cache.
     _supports_static_cache = False
+    # transformers 5.x records attention weights (output_attentions) from the modules of these classes.
+    _can_record_outputs = {"hidden_states": LlamaDecoderLayer, "attentions": DhaLlamaAttention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # transformers 5.x builds the model on the meta device and leaves non-persistent buffers empty until here.
+        if isinstance(module, DhaLlamaAttention):
+            module.reset_head_index()
 
 
 class DhaLlamaModel(DhaLlamaPreTrainedModel, LlamaModel):

@@ -23,7 +23,8 @@ less than the extra calls cost (short caches, few skipped heads), decode compute
 training compute every head and weight them.
 
 This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
-exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere.
+exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
+under transformers 4.5x and 5.x alike (tests/commands/test_export_transformers5.py loads exports in both).
 """
 
 from __future__ import annotations
@@ -185,10 +186,13 @@ class MohLlamaAttention(LlamaAttention):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: Optional[torch.Tensor],
-        past_key_value: Optional[Cache] = None,
+        past_key_values: Optional[Cache] = None,
         cache_position: Optional[torch.LongTensor] = None,
+        past_key_value: Optional[Cache] = None,
         **kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # transformers 4.5x's decoder layer passes the cache as ``past_key_value``, 5.x's as ``past_key_values``.
+        cache = past_key_values if past_key_values is not None else past_key_value
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -201,12 +205,12 @@ class MohLlamaAttention(LlamaAttention):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_value is not None:
+        if cache is not None:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, cache_kwargs)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
         attn_weights = attn_output = None
-        if self.sparse_decode and not self.training and input_shape[1] == 1 and past_key_value is not None:
+        if self.sparse_decode and not self.training and input_shape[1] == 1 and cache is not None:
             attn_output = self.active_heads_attention(query_states, key_states, value_states, gates, attention_mask)
         if attn_output is None:  # training, prefill, or a decode step where skipping heads would not pay
             attention_interface: Callable = eager_attention_forward

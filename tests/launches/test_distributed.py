@@ -1,21 +1,29 @@
-"""Real 2-process `composer` launches with FSDP2 on gloo: training, SIGKILL + autoresume, exact weights."""
+"""Real `composer` launches with FSDP2 on gloo: training, SIGKILL + autoresume in the second epoch of a two-domain
+mix (exact weights, the same samples), and elastic resume from 2 processes to 1 and from 1 to 2 (the same global
+batches sample for sample, the loss curve within fp tolerance)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
+from helpers import RECORDING_ENTRY, launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MAX_BATCHES = 48
 SAVE_EVERY = 6
+GLOBAL_BATCH = 8
+EPOCH_BATCHES = 10  # train_loader.epoch_size = 80 samples: the 48 batches run through almost five epochs
+KILL_AT = 12  # the first checkpoint in the second epoch (batches 10-19)
 
 
 def _recipe(tmp: Path, data_root: Path, tokenizer_dir: Path) -> Path:
@@ -28,8 +36,68 @@ def _recipe(tmp: Path, data_root: Path, tokenizer_dir: Path) -> Path:
         fsdp={'enabled': True, 'state_dict_type': 'sharded'},
         save_interval=f'{SAVE_EVERY}ba',
         autoresume=True,
+        callbacks={'record_samples_for_tests': {'out': 'set-per-launch'}},
+        # Adam's eps at 1e-8 lets the reduction-order noise of another process or micro-batch count grow into
+        # visibly different losses within a few steps on this tiny model (0.28 after 12 steps with 2 micro-batches
+        # per rank instead of 1); at 1e-5 such runs agree to the printed digits, so the elastic runs can be held to
+        # fp tolerance. (The elastic runs also caught gloo summing FSDP2 gradients: distributed.average_fsdp_gradients.)
+        optimizer={'lr': 3.0e-3, 'eps': 1.0e-5},
     )
+    recipe['train_loader']['epoch_size'] = EPOCH_BATCHES * GLOBAL_BATCH
+    assert recipe['global_train_batch_size'] == GLOBAL_BATCH
     return write_recipe(tmp / 'recipe.yaml', recipe)
+
+
+def _launch(nproc: int, recipe: Path, save_folder: Path, samples: Path, log: Path):
+    return run_composer(nproc, recipe, f'save_folder={save_folder}', f'callbacks.record_samples_for_tests.out={samples}',
+                        log=log, entry=RECORDING_ENTRY)
+
+
+def _kill_after_checkpoint(nproc: int, recipe: Path, save_folder: Path, samples: Path, log: Path) -> int:
+    resumed_from = launch_and_kill_after_checkpoint(recipe, save_folder, f'callbacks.record_samples_for_tests.out={samples}',
+                                                    log=log, at_least=KILL_AT, nproc=nproc, entry=RECORDING_ENTRY)
+    assert resumed_from is not None and EPOCH_BATCHES <= resumed_from < MAX_BATCHES, resumed_from
+    return resumed_from
+
+
+def _global_batches(samples: Path, first: int = 0, end: int = MAX_BATCHES) -> dict[int, list[str]]:
+    """Batch index -> the sorted sample hashes of that global batch, over every rank, for batches in [first, end)."""
+    batches: dict[int, list[str]] = {}
+    for rank_file in sorted(samples.glob('rank*.jsonl')):
+        for line in rank_file.read_text().splitlines():
+            record = json.loads(line)
+            if first <= record['batch'] < end:
+                batches.setdefault(record['batch'], []).extend(record['samples'])
+    return {batch: sorted(hashes) for batch, hashes in sorted(batches.items())}
+
+
+def _train_losses(log: Path) -> dict[int, float]:
+    """Batch number (1-based, as the console logger prints it) -> loss/train/total."""
+    losses, batch = {}, None
+    for line in log.read_text().splitlines():
+        header = re.match(r'\[batch=(\d+)/\d+\]:', line)
+        if header:
+            batch = int(header.group(1))
+        loss = re.search(r'Train loss/train/total: ([-+0-9.eE]+)', line)
+        if loss and batch is not None:
+            losses[batch] = float(loss.group(1))
+    return losses
+
+
+def _domain_of_samples(data_root: Path) -> dict[str, str]:
+    """Sample hash -> domain, from every train shard (hashed the way the recorder hashes a device batch row)."""
+    from scripts.train_recording_samples import sample_hash
+    from streaming.base.format import reader_from_json
+
+    domains = {}
+    for domain in ('github', 'wikipedia'):
+        split = data_root / domain / 'train'
+        for shard in json.loads((split / 'index.json').read_text())['shards']:
+            reader = reader_from_json(str(split), None, shard)
+            for index in range(reader.samples):
+                row = torch.from_numpy(np.asarray(reader.get_item(index)['tokens']).astype(np.int64))
+                domains[sample_hash(row)] = domain
+    return domains
 
 
 def _floats(pattern: str, text: str) -> list[float]:
@@ -41,7 +109,7 @@ def uninterrupted(tmp_path_factory, data_root, tokenizer_dir):
     tmp = tmp_path_factory.mktemp('uninterrupted')
     recipe = _recipe(tmp, data_root, tokenizer_dir)
     log = tmp / 'log.txt'
-    done = run_composer(2, recipe, f'save_folder={tmp / "ckpt"}', log=log)
+    done = _launch(2, recipe, tmp / 'ckpt', tmp / 'samples', log)
     return tmp, recipe, done.returncode, log.read_text()
 
 
@@ -58,7 +126,7 @@ def test_fsdp2_two_process_run_trains(uninterrupted):
         assert all(math.isfinite(v) for v in evals)
         assert evals[-1] < evals[0] - 0.5
     # Sharded checkpoints: one file per rank.
-    final = tmp / 'ckpt' / f'ep0-ba{MAX_BATCHES}'
+    final = tmp / 'ckpt' / f'ep{MAX_BATCHES // EPOCH_BATCHES}-ba{MAX_BATCHES}'  # the epoch in the name: past one
     assert sorted(p.name for p in final.glob('*.distcp')) == ['__0_0.distcp', '__1_0.distcp']
 
 
@@ -68,12 +136,10 @@ def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted
     reference_tmp, recipe, returncode, _ = uninterrupted
     assert returncode == 0
     save_folder = tmp_path / 'ckpt'
-    resumed_from = launch_and_kill_after_checkpoint(recipe, save_folder, log=tmp_path / 'killed.txt',
-                                                    at_least=SAVE_EVERY)
-    assert resumed_from is not None and SAVE_EVERY <= resumed_from < MAX_BATCHES, resumed_from
+    resumed_from = _kill_after_checkpoint(2, recipe, save_folder, tmp_path / 'samples-killed', tmp_path / 'killed.txt')
 
     log = tmp_path / 'resumed.txt'
-    done = run_composer(2, recipe, f'save_folder={save_folder}', log=log)
+    done = _launch(2, recipe, save_folder, tmp_path / 'samples-resumed', log)
     text = log.read_text()
     assert done.returncode == 0, text[-4000:]
     assert f'starts at batch {resumed_from} of {MAX_BATCHES}ba' in text
@@ -85,8 +151,45 @@ def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted
     assert ours_weights.keys() == reference_weights.keys()
     for name, tensor in reference_weights.items():
         assert torch.equal(ours_weights[name], tensor), f'{name} differs after resume'
+    # Resumed mid-way through the second epoch, the run trains on exactly the batches of the uninterrupted run.
+    reference_batches = _global_batches(reference_tmp / 'samples')
+    assert len(reference_batches) == MAX_BATCHES
+    assert {**_global_batches(tmp_path / 'samples-killed', end=resumed_from),
+            **_global_batches(tmp_path / 'samples-resumed', first=resumed_from)} == reference_batches
 
     # A finished run launched again is reported done instead of crashing.
-    again = run_composer(2, recipe, f'save_folder={save_folder}', log=tmp_path / 'again.txt')
+    again = _launch(2, recipe, save_folder, tmp_path / 'samples-again', tmp_path / 'again.txt')
     assert again.returncode == 0
     assert 'already finished' in (tmp_path / 'again.txt').read_text()
+
+
+@pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
+def test_elastic_resume_keeps_the_global_batches_and_the_loss_curve(uninterrupted, tmp_path, data_root, before, after):
+    """Killed in the second epoch with ``before`` processes and resumed with ``after`` (the same global batch of 8:
+    4 per rank, or 2 micro-batches of 4 on one): every global batch holds the same samples as in the uninterrupted
+    2-process run, none repeated or skipped, and the losses agree to fp tolerance (reduction orders differ)."""
+    reference_tmp, recipe, returncode, _ = uninterrupted
+    assert returncode == 0
+    save_folder = tmp_path / 'ckpt'
+    resumed_from = _kill_after_checkpoint(before, recipe, save_folder, tmp_path / 'samples-killed',
+                                          tmp_path / 'killed.txt')
+    log = tmp_path / 'resumed.txt'
+    done = _launch(after, recipe, save_folder, tmp_path / 'samples-resumed', log)
+    assert done.returncode == 0, log.read_text()[-4000:]
+    assert f'starts at batch {resumed_from} of {MAX_BATCHES}ba' in log.read_text()
+
+    reference = _global_batches(reference_tmp / 'samples')
+    ours = {**_global_batches(tmp_path / 'samples-killed', end=resumed_from),
+            **_global_batches(tmp_path / 'samples-resumed', first=resumed_from)}
+    assert ours == reference
+    domain_of = _domain_of_samples(data_root)
+    seen = Counter(domain_of[h] for batch in ours.values() for h in batch)
+    assert seen == Counter(domain_of[h] for batch in reference.values() for h in batch)
+    assert sum(seen.values()) == MAX_BATCHES * GLOBAL_BATCH and set(seen) == {'github', 'wikipedia'}
+
+    reference_losses = _train_losses(reference_tmp / 'log.txt')
+    losses = {**{b: v for b, v in _train_losses(tmp_path / 'killed.txt').items() if b <= resumed_from},
+              **{b: v for b, v in _train_losses(log).items() if b > resumed_from}}
+    assert sorted(losses) == sorted(reference_losses) == list(range(1, MAX_BATCHES + 1))
+    for batch, loss in reference_losses.items():
+        assert losses[batch] == pytest.approx(loss, rel=1e-3, abs=1e-3), batch

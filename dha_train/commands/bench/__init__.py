@@ -3,7 +3,8 @@
 - ``throughput``: training tokens/s, 1 process against 2 with FSDP2;
 - ``conversion``: DHA against mean-pool GQA, aligned GQA and AsymGQA on the quickstart teacher;
 - ``moh``: MoH decode attention and decode tokens/s against MHA, and continue-tuning the quickstart teacher;
-- ``search``: activation similarity and grouping at LLaMA-2-7B geometry.
+- ``search``: activation similarity and grouping at LLaMA-2-7B geometry;
+- ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
+from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
 from dha_train.commands.bench.search import run_search_bench
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search_bench.add_argument('--seed', type=int, default=0)
     search_bench.add_argument('--out', default=None, help='folder for results.json')
     search_bench.set_defaults(func=run_search)
+    load = bench.add_parser('load', help='peak host RSS per rank of loading a pretrained model under FSDP2 with 2 '
+                            'processes: every rank loads (model.load_on_rank0=false) vs rank 0 alone')
+    load.add_argument('--out', default=None, help='folder for the pretrained model, data, logs and results.json '
+                      '(reused when run again)')
+    load.set_defaults(func=run_load)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -102,4 +109,9 @@ def run_search(args: argparse.Namespace) -> int:
     run_search_bench(layers=args.layers, heads=args.heads, head_dim=args.head_dim, tokens=args.tokens,
                      sample_tokens=args.sample_tokens, groups=args.groups, restarts=args.restarts, steps=args.steps,
                      reference_matrices=args.reference_matrices, seed=args.seed, out=args.out)
+    return 0
+
+
+def run_load(args: argparse.Namespace) -> int:
+    run_load_bench(out=args.out)
     return 0

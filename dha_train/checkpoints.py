@@ -1,0 +1,182 @@
+"""Checking a Composer checkpoint before anything loads it, and loading one without running arbitrary pickle code.
+
+Composer 0.32.1 resumes with ``torch.load(weights_only=False)``, i.e. plain pickle. Before a run hands it a
+``load_path`` or the checkpoint autoresume found, ``check_checkpoint`` refuses with one line naming the path anything
+that is not a whole Composer checkpoint: a truncated file (a torch.save file is a zip archive, and a cut one has lost
+its central directory at the end), a text or other foreign file, a torch.save of something else, a dangling latest
+link, a sharded folder whose ``.metadata`` or shard files are missing or short. For a file the check reads the zip
+directory and unpickles ``data.pkl`` with ``weights_only=True, mmap=True``: the tensor data is mapped, not read, so a
+7B checkpoint is not read twice, and a pickle naming anything but tensors, plain data and ``SAFE_GLOBALS`` is refused
+before Composer unpickles it. ``load_composer_state`` (export) is the same load and keeps the mapped tensors.
+
+Not checked: bit flips inside tensor data (that would mean reading every byte); a sharded folder's ``.metadata`` and
+non-tensor items are unpickled by torch.distributed.checkpoint itself, for this check as for Composer and export.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.torch_version import TorchVersion
+
+from dha_train.errors import DhaTrainError
+
+LATEST = 'latest-rank0.pt'  # Composer's link to the newest checkpoint in a save_folder (rank 0's)
+SHARDED_METADATA = '.metadata'
+
+# numpy's array rebuilder (numpy._core.multiarray._reconstruct in numpy 2, numpy.core.multiarray's in numpy 1).
+_np_reconstruct = np.zeros(0).__reduce__()[0]
+
+# Every non-tensor type a Composer 0.32.1 checkpoint written by `dha-train train` holds, as
+# torch.serialization.get_unsafe_globals_in_checkpoint lists them for full and sharded (gathered) checkpoints with
+# algorithms, callbacks and evaluators. weights_only=True allows these and nothing else beyond tensors and plain data.
+SAFE_GLOBALS: list[Any] = [
+    datetime.timedelta,  # state.timestamp: the wall-clock times
+    TorchVersion,  # state.metadata: the torch version that wrote the checkpoint
+    # rng[*].numpy: numpy's global RNG state, a uint32 array. Its dtype unpickles as np.dtype('u4'), an instance of
+    # numpy.dtypes.UInt32DType, which torch must also be allowed to build.
+    np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+    # numpy's array rebuilder, under the name numpy 2 pickles it with and the name numpy 1 does (the numpy pin allows
+    # both, and a checkpoint may move between them).
+    (_np_reconstruct, 'numpy._core.multiarray._reconstruct'),
+    (_np_reconstruct, 'numpy.core.multiarray._reconstruct'),
+]
+
+
+class CheckpointError(DhaTrainError, ValueError):
+    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
+
+
+def _incomplete(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f'cannot read checkpoint {path} (corrupted or incomplete?): {why}')
+
+
+def _existing(path: Path) -> Path:
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(f'{path} links to {os.readlink(path)}, which does not exist')
+    if not path.exists():
+        raise CheckpointError(f'checkpoint not found: {path}')
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint file, a sharded checkpoint folder, or a save_folder (its latest checkpoint)."""
+    path = _existing(Path(path))
+    if path.is_dir() and not (path / SHARDED_METADATA).is_file():
+        latest = path / LATEST
+        if not latest.is_symlink() and not latest.exists():
+            raise CheckpointError(f'{path} is neither a checkpoint nor a save_folder with a {LATEST} link')
+        path = _existing(latest)
+    return path.resolve()
+
+
+def torch_load(path: str | Path, *, mmap: bool = False) -> Any:
+    """``torch.load`` as dha-train reads every checkpoint itself: weights_only, plus exactly ``SAFE_GLOBALS``."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+
+
+def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
+    """``torch_load`` with its failures as one-line CheckpointErrors naming ``shown`` (default: ``path``)."""
+    try:
+        return torch_load(path, mmap=mmap)
+    except Exception as exc:  # torch raises many types for corrupt or foreign files
+        shown = shown or path
+        # The type weights_only refused: 'GLOBAL os.system ...' or 'Can only build ..., but got <class 'x.Y'>'.
+        refused = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(exc))
+        if refused:
+            raise CheckpointError(
+                f'{shown} holds a {refused.group(1) or refused.group(2)} object, not one of the types a checkpoint of '
+                '`dha-train train` holds: dha-train reads checkpoints with torch.load(weights_only=True) and refuses '
+                'it') from exc
+        # torch's weights-only errors are a page long; their one informative line names what it could not unpickle.
+        detail = re.search(r'WeightsUnpickler error: (.*)', str(exc))
+        lines = str(exc).strip().splitlines()
+        reason = detail.group(1) if detail else lines[0] if lines else ''
+        raise _incomplete(shown, f'{type(exc).__name__}: {reason}') from exc
+
+
+def _check_state(state: Any, path: Path) -> dict:
+    if not isinstance(state, dict) or not isinstance(state.get('state'), dict) or 'model' not in state['state']:
+        raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+    return state
+
+
+def _check_archive(path: Path) -> None:
+    """The cheap part: the zip central directory (at the end of the file) and torch's ``data.pkl`` entry."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise _incomplete(path, f'it is not a whole torch.save file ({exc})') from exc
+    size = path.stat().st_size
+    beyond = [e.filename for e in entries if e.header_offset + e.compress_size > size]
+    if beyond:
+        raise _incomplete(path, f'its entry {beyond[0]} ends past the end of the file')
+    if not any(e.filename.endswith('/data.pkl') for e in entries):
+        raise CheckpointError(f'{path} is a zip archive but not a torch.save file (no data.pkl)')
+
+
+def _load_file(path: Path) -> dict:
+    _check_archive(path)
+    return _check_state(_load(path, mmap=True), path)
+
+
+def _check_folder(path: Path) -> None:
+    """A sharded (torch.distributed.checkpoint) folder: its .metadata, and every shard file long enough for it."""
+    if not (path / SHARDED_METADATA).is_file():
+        hint = f'; its {LATEST} link names the latest checkpoint' if (path / LATEST).is_symlink() else ''
+        raise CheckpointError(f'{path} is a folder but not a sharded checkpoint (no {SHARDED_METADATA} file){hint}')
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as exc:  # pickle raises many types for a corrupt or foreign file
+        raise _incomplete(path, f'its {SHARDED_METADATA} is unreadable ({type(exc).__name__}: {exc})') from exc
+    for name, end in sorted(ends.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise _incomplete(path, f'its shard file {name} is missing')
+        if shard.stat().st_size < end:
+            raise _incomplete(path, f'its shard file {name} is {shard.stat().st_size} bytes but {SHARDED_METADATA} '
+                                    f'places data up to byte {end}')
+    if not any(key.startswith('state.model.') for key in metadata.state_dict_metadata):
+        raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+
+
+def check_checkpoint(path: str | Path) -> Path:
+    """Refuse ``path`` (a checkpoint file or sharded folder, as Composer's load_path takes) unless it is a whole
+    Composer checkpoint; returns it resolved. Reads the zip directory and the pickle, not the tensor data."""
+    path = _existing(Path(path)).resolve()
+    if path.is_dir():
+        _check_folder(path)
+    else:
+        _load_file(path)
+    return path
+
+
+def load_composer_state(path: str | Path) -> dict:
+    """Load a whole Composer checkpoint (file, sharded folder, or a save_folder's latest) as the nested dict Composer
+    saved, with ``weights_only=True``. A file's tensors stay mapped from disk until used."""
+    path = resolve_checkpoint(path)
+    if not path.is_dir():
+        return _load_file(path)
+    _check_folder(path)
+    with tempfile.TemporaryDirectory() as tmp:  # gather the shards into one state dict
+        gathered = Path(tmp) / 'gathered.pt'
+        try:
+            dcp_to_torch_save(str(path), str(gathered))
+        except Exception as exc:  # torch raises many types for corrupt shard files
+            raise _incomplete(path, f'{type(exc).__name__}: {exc}') from exc
+        return _check_state(_load(gathered, mmap=False, shown=path), path)
