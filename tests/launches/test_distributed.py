@@ -19,10 +19,10 @@ from helpers import RECORDING_ENTRY, launch_and_kill_after_checkpoint, run_compo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-MAX_BATCHES = 48
+MAX_BATCHES = 30
 SAVE_EVERY = 6
 GLOBAL_BATCH = 8
-EPOCH_BATCHES = 10  # train_loader.epoch_size = 80 samples: the 48 batches run through almost five epochs
+EPOCH_BATCHES = 10  # train_loader.epoch_size = 80 samples: the 30 batches run through three epochs
 KILL_AT = 12  # the first checkpoint in the second epoch (batches 10-19)
 
 
@@ -126,7 +126,8 @@ def test_fsdp2_two_process_run_trains(uninterrupted):
         assert all(math.isfinite(v) for v in evals)
         assert evals[-1] < evals[0] - 0.5
     # Sharded checkpoints: one file per rank.
-    final = tmp / 'ckpt' / f'ep{MAX_BATCHES // EPOCH_BATCHES}-ba{MAX_BATCHES}'  # the epoch in the name: past one
+    final, = (tmp / 'ckpt').glob(f'ep*-ba{MAX_BATCHES}')
+    assert int(final.name.split('-')[0][2:]) >= 2  # the epoch in the name: well past one
     assert sorted(p.name for p in final.glob('*.distcp')) == ['__0_0.distcp', '__1_0.distcp']
 
 

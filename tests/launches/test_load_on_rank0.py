@@ -17,11 +17,11 @@ from helpers import SEQ_LEN, TINY_MAP, run_composer, tiny_recipe, write_recipe
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BATCHES = 3
+# One case keeps the suite short: it loads a plain pretrained LLaMA as every other launch does (they all take the
+# rank-0 path now) and adds the two things that must work on the meta device. Progressive fusion splits the head-map
+# groups by head distance at INIT, which rank 1 cannot compute without weights; its new fusion weights are made on the
+# meta device there. The teacher is loaded at FIT_START and sharded like the student.
 CASES = {
-    'llama': lambda tmp_path, pretrained: {},
-    # Progressive fusion splits the head-map groups by head distance at INIT, which rank 1 cannot compute without
-    # weights; its new fusion weights are made on the meta device there. The teacher is loaded at FIT_START and sharded
-    # like the student.
     'progressive_fusion_and_teacher': lambda tmp_path, pretrained: {
         'head_fusion': {'head_map': str(TINY_MAP.save(tmp_path / 'head_map.json')), 'progressive': [2]},
         'distillation': {'teacher_path': str(pretrained), 'top_k': 8}},
