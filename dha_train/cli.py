@@ -1,8 +1,8 @@
 """`dha-train`: the console entry. Each sub-command lives in ``dha_train.commands.<module>``.
 
 Only the chosen sub-command's module is imported (start-up laziness: ``dha-train data prep`` need not import the
-training stack, and ``dha-train --help`` imports nothing heavy). Every user error is a ``DhaTrainError``: printed as
-one line, exit status 2.
+training stack, and ``dha-train --help`` imports nothing heavy). Every user error is a ``DhaTrainError`` (or a disk that
+refused a write, see ``errors.user_error``): printed as one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from dha_train.errors import DhaTrainError
+from dha_train.errors import user_error
 
 # sub-command -> (module under dha_train.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(argv).parse_args(argv)
         return args.func(args)
-    except DhaTrainError as exc:
-        print(f'dha-train: error: {exc}', file=sys.stderr)
+    except Exception as exc:
+        error = user_error(exc)  # a DhaTrainError, or a disk that refused a write
+        if error is None:
+            raise
+        print(f'dha-train: error: {error}', file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
 from composer.core import Time
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -253,6 +254,21 @@ def _build_dataclass(cls: type, values: dict, path: str):
     return cls(**kwargs)
 
 
+def _load_yaml(path: Path):
+    """``OmegaConf.load`` with a YAML syntax error or a non-UTF-8 byte as one ConfigError naming file, line, column."""
+    try:
+        return OmegaConf.load(path)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f' at line {mark.line + 1}, column {mark.column + 1}' if mark is not None else ''
+        context = f' ({exc.context})' if exc.context else ''
+        raise ConfigError(f'{path}: not valid YAML: {exc.problem}{at}{context}') from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f'{path}: not valid YAML: {" ".join(str(exc).split())}') from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f'{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}: {exc.reason})') from None
+
+
 def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Read a YAML file (or a dict), apply ``key=value`` overrides, resolve interpolations and check everything."""
     if isinstance(source, dict):
@@ -261,7 +277,7 @@ def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ())
         source = Path(source)
         if not source.is_file():
             raise ConfigError(f'config file not found: {source}')
-        cfg = OmegaConf.load(source)
+        cfg = _load_yaml(source)
     bad = [o for o in overrides if '=' not in o]
     if bad:
         raise ConfigError(f'overrides must look like key=value, got: {bad}')

@@ -18,7 +18,7 @@ from dha_train.checkpoints import CheckpointError, load_composer_state, resolve_
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.methods import MethodError, export_model
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
-from dha_train.paths import refuse_nonempty, staged_folder
+from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
 
 def _hf_parts(state: dict, checkpoint: Path):
@@ -45,6 +45,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
     out_dir = Path(out_dir)
     refuse_nonempty(out_dir, overwrite)  # fail before loading the checkpoint
+    check_writable(out_dir, staged=True)
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got '{dtype}'")
     path = resolve_checkpoint(checkpoint)

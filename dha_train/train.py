@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,13 +22,20 @@ import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
 from dha_train import registry
 from dha_train.builders import build_llama, build_llama_config, wrap_composer
-from dha_train.checkpoints import LATEST, CheckpointError, check_checkpoint
+from dha_train.checkpoints import (
+    LATEST,
+    CheckpointError,
+    check_checkpoint,
+    refuse_later_checkpoints,
+    save_checkpoints_atomically,
+)
 from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config
 from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.distributed import average_fsdp_gradients
-from dha_train.errors import DhaTrainError
+from dha_train.errors import DhaTrainError, user_error
 from dha_train.optim import build_optimizer, build_scheduler
+from dha_train.paths import check_writable
 
 
 def resolve_device_and_precision(config: TrainConfig) -> tuple[str, str]:
@@ -84,6 +92,36 @@ def check_checkpoint_to_load(config: TrainConfig) -> None:
         raise CheckpointError(f'{setting}: {problem[0]}{note}')
 
 
+def check_save_folder(config: TrainConfig) -> None:
+    """Refuse, before anything is built, a local save_folder the run could not save into: one this process cannot
+    write, or one holding checkpoints later than the point the run starts from (Composer refuses that folder only at
+    fit start, with a traceback; a run killed while it saved could leave one). Global rank 0 checks and every rank
+    raises the same error; nothing in the folder is changed."""
+    if not config.save_folder or '://' in config.save_folder:
+        return
+    folder = Path(partial_format(config.save_folder, run_name=config.run_name) if config.run_name
+                  else config.save_folder)
+    if '{' in str(folder):
+        return  # named after a run name Composer draws at random: a new folder
+    problem: list[DhaTrainError | None] = [None]
+    if dist.get_global_rank() == 0:
+        try:
+            check_writable(folder, 'save_folder')
+            if folder.is_dir() and not config.save_overwrite:
+                link = folder / LATEST
+                if config.autoresume and link.is_symlink():
+                    refuse_later_checkpoints(folder, folder / os.readlink(link), 'autoresume')
+                elif config.load_path and not config.load_weights_only:
+                    refuse_later_checkpoints(folder, Path(config.load_path), 'load_path')
+                else:
+                    refuse_later_checkpoints(folder, None, 'autoresume' if config.autoresume else 'save_folder')
+        except DhaTrainError as exc:
+            problem = [exc]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise problem[0]
+
+
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
     device, precision = resolve_device_and_precision(config)
@@ -98,6 +136,8 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     world_size = dist.get_world_size()
     device_batch_size = _device_batch_size(config, world_size)
     check_checkpoint_to_load(config)
+    check_save_folder(config)
+    save_checkpoints_atomically()
 
     # Cheap checks first: data layout, vocabulary and sequence length against the model config.
     llama_config = build_llama_config(config.model)
@@ -222,8 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv[0], argv[1:])
         trainer = train(config)
-    except DhaTrainError as exc:
-        print(f'dha-train: error: {exc}', file=sys.stderr)
+    except Exception as exc:
+        error = user_error(exc)  # a DhaTrainError, or a disk that refused a write
+        if error is None:
+            raise
+        print(f'dha-train: error: {error}', file=sys.stderr)
         return 2
     trainer.close()
     return 0

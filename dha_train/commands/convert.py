@@ -81,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
         head_map = HeadMap.load(args.head_map)
     else:
         config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
-        head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, args.kv_heads, head_dim(config))
+        try:
+            head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, args.kv_heads,
+                                   head_dim(config))
+        except HeadMapError as exc:
+            raise HeadMapError(f'--kv-heads {args.kv_heads}: {exc}') from exc
     out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
     print(f'dha-train convert: wrote {out} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)')
     return 0

@@ -142,10 +142,14 @@ def per_layer_count(settings: SearchSettings, num_heads: int) -> int:
     """K/V heads per layer for a uniform allocation, from kv_heads or kv_budget."""
     if settings.kv_heads is not None:
         return settings.kv_heads
+    if not 0 < settings.kv_budget <= 1:
+        raise ConfigError(f'search: kv_budget must be in (0, 1], got {settings.kv_budget}')
     try:
         return whole_head_count(settings.kv_budget, num_heads)
     except ValueError as exc:
-        raise ConfigError(f'search: {exc} per layer') from exc
+        raise ConfigError(f'search: kv_budget {settings.kv_budget} of the {num_heads} K/V heads of each layer is '
+                          f'{settings.kv_budget * num_heads:g} heads, not a whole number; use a multiple of '
+                          f'1/{num_heads} ({1 / num_heads:g})') from exc
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from dha_train.data.domains import DOMAINS, domain_of
 from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from dha_train.errors import DhaTrainError, InputNotFoundError
+from dha_train.errors import DhaTrainError, InputNotFoundError, disk_error
+from dha_train.paths import check_writable
 
 SPLITS = ('train', 'val')
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
@@ -98,7 +99,10 @@ def _text_of(line: bytes) -> str:
     """The ``text`` field of one JSONL line; ValueError says why the line is unusable."""
     try:
         record = json.loads(line)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+    except UnicodeDecodeError as exc:  # JSON is UTF-8 text (json.loads also takes UTF-16/32 with their BOM or NULs)
+        raise ValueError(f'line is not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1}: '
+                         f'{exc.reason})') from None
+    except ValueError as exc:  # JSONDecodeError
         raise ValueError(f'malformed JSON line ({exc})') from None
     if not isinstance(record, dict) or not isinstance(record.get('text'), str):
         raise ValueError('line has no string "text" field')
@@ -315,6 +319,7 @@ def _check_out(out: Path, overwrite: bool, files: list[InputFile], tokenizer: Pa
         raise DataPrepError(f'--out {out} exists and is not a folder')
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataPrepError(f'output folder {out} already exists and is not empty; pass --overwrite to replace it')
+    check_writable(out, '--out', staged=True)  # written as a sibling <out>.tmp-<pid>, renamed into place
     # Replacing --out deletes it, so it must not hold what this run reads.
     resolved = out.resolve()
     for path in [tokenizer.resolve(), *(f.path.resolve() for f in files)]:
@@ -445,6 +450,11 @@ def _report_and_check(results: list[FileResult], manifest: dict[str, Any], seq_l
                 f'({entry["val_shortfall_samples"]} missing); use a larger first file or lower --val-tokens',
                 stacklevel=3,
             )
+        if entry['input_tokens'] == 0:
+            paths = [source['path'] for source in entry['sources']]
+            shown = ', '.join(paths[:3]) + (f' and {len(paths) - 3} more' if len(paths) > 3 else '')
+            raise DataPrepError(f'domain {domain} has no documents: its {len(paths)} file(s) hold none (empty, or '
+                                f'every line skipped?): {shown}')
         if entry['train']['samples'] == 0:
             raise DataPrepError(
                 f'domain {domain} has no train samples: its {entry["files"]} file(s) hold {entry["input_tokens"]} '
@@ -461,7 +471,11 @@ def _replace_folder(tmp: Path, out: Path) -> None:
         return
     old = out.with_name(f'{out.name}.old-{os.getpid()}')
     out.rename(old)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
     shutil.rmtree(old)
 
 
@@ -519,9 +533,12 @@ def prep_redpajama(
         _merge_split_indexes(tmp, results)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + '\n')
         _replace_folder(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        error = disk_error(exc, out, note=f'; {out} was left as it was' if out.exists() else '; nothing was written')
+        if error is None:
+            raise
+        raise error from exc
     return manifest
 
 

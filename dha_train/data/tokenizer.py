@@ -10,9 +10,17 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dha_train.errors import InputNotFoundError
+from dha_train.errors import DhaTrainError, InputNotFoundError
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
+
+
+class TokenizerError(DhaTrainError, ValueError):
+    """A tokenizer folder that exists but holds no usable HF tokenizer (or one without BOS/EOS)."""
+
+
+# A HF tokenizer folder holds at least one of these (fast tokenizers: tokenizer.json; slow ones their vocab files).
+_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json', 'vocab.txt')
 
 
 def train_byte_level_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int):
@@ -51,12 +59,17 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_dir():
         raise InputNotFoundError(f'tokenizer folder not found: {path} (pass a local HF tokenizer folder)')
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise TokenizerError(f'no tokenizer in {path}: it has none of {", ".join(_TOKENIZER_FILES)} (pass a HF '
+                             'tokenizer folder, as save_pretrained writes it)')
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises several types here; all mean "not a usable tokenizer folder"
-        raise ValueError(f'cannot load a HF tokenizer from {path}: {exc}') from exc
+        lines = str(exc).strip().splitlines()
+        reason = lines[0][:300] if lines else type(exc).__name__  # its first line, without page-long lists
+        raise TokenizerError(f'cannot load a HF tokenizer from {path}: {reason}') from exc
     if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
-        raise ValueError(f'tokenizer at {path} has no BOS or EOS token; packing needs both')
+        raise TokenizerError(f'tokenizer at {path} has no BOS or EOS token; packing needs both')
     return tokenizer
 
 

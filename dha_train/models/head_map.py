@@ -248,4 +248,8 @@ class HeadMap:
         path = Path(path)
         if not path.is_file():
             raise HeadMapError(f'head map file not found: {path}')
-        return cls.from_json(path.read_text())
+        try:
+            return cls.from_json(path.read_text(encoding='utf-8'))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError; a HeadMapError gets the file named too
+            raise HeadMapError(f'head map {path}: {exc}' if isinstance(exc, HeadMapError) else
+                               f'head map {path} is not a head map JSON file ({exc})') from exc
