@@ -77,7 +77,7 @@ def staged_folder(out_dir: str | Path, overwrite: bool = False):
     existed = out_dir.exists()
     try:
         yield staging
-        _replace(staging, out_dir)
+        replace_folder(staging, out_dir)
     except Exception as exc:
         error = disk_error(exc, out_dir, note=f'; {out_dir} was left as it was' if existed else '; nothing was written')
         if error is None:
@@ -88,7 +88,7 @@ def staged_folder(out_dir: str | Path, overwrite: bool = False):
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _replace(new: Path, out_dir: Path) -> None:
+def replace_folder(new: Path, out_dir: Path) -> None:
     """Rename the finished ``new`` to ``out_dir`` (its sibling); an old ``out_dir`` is deleted only once the new one is
     in place, and put back if that rename fails."""
     if not out_dir.exists():

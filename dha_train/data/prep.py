@@ -39,7 +39,7 @@ from tqdm import tqdm
 from dha_train.data.domains import DOMAINS, domain_of
 from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from dha_train.errors import DhaTrainError, InputNotFoundError, disk_error
-from dha_train.paths import check_writable
+from dha_train.paths import check_writable, replace_folder
 
 SPLITS = ('train', 'val')
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
@@ -464,21 +464,6 @@ def _report_and_check(results: list[FileResult], manifest: dict[str, Any], seq_l
             )
 
 
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``; an old ``out`` is deleted only once the new one is in place."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.with_name(f'{out.name}.old-{os.getpid()}')
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    shutil.rmtree(old)
-
-
 def prep_redpajama(
     inputs: Iterable[str | Path],
     out: str | Path,
@@ -532,7 +517,7 @@ def prep_redpajama(
         _report_and_check(results, manifest, seq_len)
         _merge_split_indexes(tmp, results)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + '\n')
-        _replace_folder(tmp, out)
+        replace_folder(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         error = disk_error(exc, out, note=f'; {out} was left as it was' if out.exists() else '; nothing was written')
