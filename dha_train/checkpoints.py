@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from composer.utils import checkpoint as composer_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.torch_version import TorchVersion
@@ -200,8 +201,6 @@ def save_checkpoints_atomically() -> None:
     checkpoints are torch.distributed.checkpoint folders, not covered: one cut off lacks its ``.metadata`` (written
     last) or has short shard files, and ``check_checkpoint`` refuses it.
     """
-    from composer.utils import checkpoint as composer_checkpoint
-
     write = composer_checkpoint._write_checkpoint_file
     if getattr(write, 'renames_into_place', False):
         return
