@@ -19,10 +19,10 @@ from helpers import RECORDING_ENTRY, launch_and_kill_after_checkpoint, run_compo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-MAX_BATCHES = 30
+MAX_BATCHES = 24
 SAVE_EVERY = 6
 GLOBAL_BATCH = 8
-EPOCH_BATCHES = 10  # train_loader.epoch_size = 80 samples: the 30 batches run through three epochs
+EPOCH_BATCHES = 10  # train_loader.epoch_size = 80 samples: the 24 batches run through two and a half epochs
 KILL_AT = 12  # the first checkpoint in the second epoch (batches 10-19)
 
 
