@@ -63,33 +63,53 @@ def _device_batch_size(config: TrainConfig, world_size: int) -> int:
     return per_device
 
 
+def _local_save_folder(config: TrainConfig) -> Path | None:
+    """The run's save_folder as a local path with {run_name} filled in; None for a remote one or none."""
+    if not config.save_folder or '://' in config.save_folder:
+        return None
+    return Path(partial_format(config.save_folder, run_name=config.run_name) if config.run_name
+                else config.save_folder)
+
+
+def _refuse_on_every_rank(check) -> None:
+    """Run ``check`` on global rank 0 only and raise the DhaTrainError it raised there on every rank, so all ranks
+    stop together with the same one line."""
+    problem: list[DhaTrainError | None] = [None]
+    if dist.get_global_rank() == 0:
+        try:
+            check()
+        except DhaTrainError as exc:
+            problem = [exc]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise problem[0]
+
+
 def check_checkpoint_to_load(config: TrainConfig) -> None:
     """Refuse, before anything is built, the checkpoint Composer would load: autoresume's latest link in a local
     save_folder when there is one (Composer then ignores load_path), else load_path. Global rank 0 checks and every
     rank raises the same CheckpointError; the save folder is left exactly as it is."""
-    def named(value: str) -> Path:  # Composer formats {run_name}; without one in the config it draws a random name
-        return Path(partial_format(value, run_name=config.run_name) if config.run_name else value)
-
     setting = path = note = None
-    if config.autoresume and config.save_folder and '://' not in config.save_folder:
-        folder = named(config.save_folder)
-        if (folder / LATEST).is_symlink() or (folder / LATEST).exists():
-            setting, path = 'autoresume', folder / LATEST
-            note = (f'; it is what {path} names, and nothing in {folder} was changed: point {LATEST} at an earlier '
-                    'checkpoint there to resume from that one')
+    folder = _local_save_folder(config) if config.autoresume else None
+    if folder is not None and ((folder / LATEST).is_symlink() or (folder / LATEST).exists()):
+        setting, path = 'autoresume', folder / LATEST
+        note = (f'; it is what {path} names, and nothing in {folder} was changed: point {LATEST} at an earlier '
+                'checkpoint there to resume from that one')
     if path is None and config.load_path and '://' not in config.load_path:
-        setting, path, note = 'load_path', named(config.load_path), ''
+        # Composer formats {run_name}; without one in the config it draws a random name
+        setting, note = 'load_path', ''
+        path = Path(partial_format(config.load_path, run_name=config.run_name) if config.run_name
+                    else config.load_path)
     if path is None:
         return
-    problem = [None]
-    if dist.get_global_rank() == 0:
+
+    def check() -> None:
         try:
             check_checkpoint(path)
         except CheckpointError as exc:
-            problem = [str(exc)]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise CheckpointError(f'{setting}: {problem[0]}{note}')
+            raise CheckpointError(f'{setting}: {exc}{note}') from exc
+
+    _refuse_on_every_rank(check)
 
 
 def check_save_folder(config: TrainConfig) -> None:
@@ -97,29 +117,22 @@ def check_save_folder(config: TrainConfig) -> None:
     write, or one holding checkpoints later than the point the run starts from (Composer refuses that folder only at
     fit start, with a traceback; a run killed while it saved could leave one). Global rank 0 checks and every rank
     raises the same error; nothing in the folder is changed."""
-    if not config.save_folder or '://' in config.save_folder:
-        return
-    folder = Path(partial_format(config.save_folder, run_name=config.run_name) if config.run_name
-                  else config.save_folder)
-    if '{' in str(folder):
-        return  # named after a run name Composer draws at random: a new folder
-    problem: list[DhaTrainError | None] = [None]
-    if dist.get_global_rank() == 0:
-        try:
-            check_writable(folder, 'save_folder')
-            if folder.is_dir() and not config.save_overwrite:
-                link = folder / LATEST
-                if config.autoresume and link.is_symlink():
-                    refuse_later_checkpoints(folder, folder / os.readlink(link), 'autoresume')
-                elif config.load_path and not config.load_weights_only:
-                    refuse_later_checkpoints(folder, Path(config.load_path), 'load_path')
-                else:
-                    refuse_later_checkpoints(folder, None, 'autoresume' if config.autoresume else 'save_folder')
-        except DhaTrainError as exc:
-            problem = [exc]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise problem[0]
+    folder = _local_save_folder(config)
+    if folder is None or '{' in str(folder):
+        return  # remote, or named after a run name Composer draws at random: a new folder
+
+    def check() -> None:
+        check_writable(folder, 'save_folder')
+        if folder.is_dir() and not config.save_overwrite:
+            link = folder / LATEST
+            if config.autoresume and link.is_symlink():
+                refuse_later_checkpoints(folder, folder / os.readlink(link), 'autoresume')
+            elif config.load_path and not config.load_weights_only:
+                refuse_later_checkpoints(folder, Path(config.load_path), 'load_path')
+            else:
+                refuse_later_checkpoints(folder, None, 'autoresume' if config.autoresume else 'save_folder')
+
+    _refuse_on_every_rank(check)
 
 
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):

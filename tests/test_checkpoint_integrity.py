@@ -90,30 +90,34 @@ def _foreign(kind: str, folder: Path) -> tuple[Path, str]:
     return path, f'{path} holds a os.makedirs object, not one of the types a checkpoint of `dha-train train` holds'
 
 
-def test_truncated_checkpoint_as_load_path_is_refused_and_the_save_folder_kept(saved, tmp_path, data_root,
-                                                                              tokenizer_dir):
-    folder = _copy(saved, tmp_path)
-    _truncate(folder / 'ep0-ba1-rank0.pt')
+def _refusal(saved, folder, truncated: str, data_root, tokenizer_dir, **settings) -> str:
+    """Copy the saved run to ``folder``, truncate one checkpoint, build a trainer on it with ``settings``: the
+    CheckpointError's message, after checking that nothing in the folder changed."""
+    assert _copy(saved, folder.parent) == folder
+    _truncate(folder / truncated)
     before = _snapshot(folder)
     with pytest.raises(CheckpointError) as caught:
-        _build(data_root, tokenizer_dir, save_folder=str(folder), load_path=str(folder / 'ep0-ba1-rank0.pt'))
-    assert str(caught.value).startswith(f'load_path: cannot read checkpoint {folder / "ep0-ba1-rank0.pt"} '
-                                        '(corrupted or incomplete?): it is not a whole torch.save file')
+        _build(data_root, tokenizer_dir, save_folder=str(folder), **settings)
     assert _snapshot(folder) == before
+    return str(caught.value)
+
+
+def test_truncated_checkpoint_as_load_path_is_refused_and_the_save_folder_kept(saved, tmp_path, data_root,
+                                                                              tokenizer_dir):
+    folder = tmp_path / 'ckpt'
+    message = _refusal(saved, folder, 'ep0-ba1-rank0.pt', data_root, tokenizer_dir,
+                       load_path=str(folder / 'ep0-ba1-rank0.pt'))
+    assert message.startswith(f'load_path: cannot read checkpoint {folder / "ep0-ba1-rank0.pt"} '
+                                        '(corrupted or incomplete?): it is not a whole torch.save file')
 
 
 def test_truncated_latest_checkpoint_stops_autoresume_and_the_save_folder_is_kept(saved, tmp_path, data_root,
                                                                                  tokenizer_dir):
-    folder = _copy(saved, tmp_path)
-    _truncate(folder / 'ep0-ba2-rank0.pt')
-    before = _snapshot(folder)
-    with pytest.raises(CheckpointError) as caught:
-        _build(data_root, tokenizer_dir, save_folder=str(folder), autoresume=True)
-    message = str(caught.value)
+    folder = tmp_path / 'ckpt'
+    message = _refusal(saved, folder, 'ep0-ba2-rank0.pt', data_root, tokenizer_dir, autoresume=True)
     assert message.startswith(f'autoresume: cannot read checkpoint {folder / "ep0-ba2-rank0.pt"} (corrupted or '
                               'incomplete?)')
     assert f'it is what {folder / LATEST} names, and nothing in {folder} was changed' in message
-    assert _snapshot(folder) == before
 
 
 @pytest.mark.parametrize('kind', ['text', 'plain dict', 'pickle with code'])
