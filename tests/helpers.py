@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import wandb
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 from wandb.proto import wandb_internal_pb2
@@ -188,6 +189,9 @@ def fusion_recipe(tmp_path, data_root, tokenizer_dir, **overrides):
 def wandb_history_keys(run_file) -> dict[str, list[float]]:
     """Read the offline .wandb record log the way `wandb sync` does and collect the history values."""
 
+    # run.finish() returns before the wandb-core service has written and closed the file (a 0-byte
+    # file was seen); teardown waits for the service to exit, which closes every stream.
+    wandb.teardown()
     store = datastore.DataStore()
     store.open_for_scan(str(run_file))
     values: dict[str, list[float]] = {}
