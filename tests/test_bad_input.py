@@ -274,9 +274,9 @@ CASES = [
          lambda ctx: ['search', str(ctx.fixture('mha_dir')), str(ctx.tmp / 'out'), '--method', 'neighbour',
                       '--kv-budget', '1.5'],
          'search: kv_budget must be in (0, 1], got 1.5'),
-    Case('KV heads that do not divide the query heads', 'dha-train',
-         lambda ctx: ['convert', str(ctx.fixture('mha_dir')), str(ctx.tmp / 'out'), '--kv-heads', '3'],
-         '--kv-heads 3: GQA needs num_groups dividing num_heads=4, got 3'),
+    Case('more KV heads than the source has', 'dha-train',
+         lambda ctx: ['convert', str(ctx.fixture('mha_dir')), str(ctx.tmp / 'out'), '--kv-heads', '5'],
+         '--kv-heads 5: 5 K/V heads per layer: the source has 4, so give 1..4'),
     # --- training data ---------------------------------------------------------------------------------------------
     Case('a domain the data does not have', 'train',
          lambda ctx: ctx.recipe(train_loader={'root': str(ctx.data_root), 'streams': {'arxiv': {}}}),

@@ -1,6 +1,8 @@
-"""`dha-train convert`: mean-pool an MHA LLaMA folder to a head map (the GQA baseline's starting point).
+"""`dha-train convert`: mean-pool an MHA or GQA LLaMA folder to a head map (the GQA baseline's starting point).
 
-A map whose groups are equal-size and shared by K and V is first made contiguous by permuting the query heads
+The source's own K/V heads are the units pooled: a target over a GQA source (e.g. SmolLM2's 3 K/V heads to 1)
+groups whole source heads (``HeadMap.source_partitions``) and each compact head is the mean of its source heads,
+so the K/V weights are never expanded to one head per query head. A map whose groups are equal-size and shared by K and V is first made contiguous by permuting the query heads
 (a function-preserving reorder), so it exports as a standard HF LLaMA with ``num_key_value_heads``; any other map
 becomes a ``DhaLlamaForCausalLM`` folder (with its modeling file, loadable with ``trust_remote_code=True``).
 """
@@ -17,6 +19,7 @@ from dha_train.errors import InputNotFoundError
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError
 from dha_train.models.llama_layout import head_dim
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
 from dha_train.paths import refuse_nonempty, staged_folder
 
@@ -28,34 +31,62 @@ def as_contiguous_gqa(head_map: HeadMap) -> tuple[HeadMap, list[list[int]]] | No
     return (permuted, order) if permuted.uniform_gqa_groups() is not None else None
 
 
+def source_order(source: HeadMap, query_order: list[list[int]]) -> list[list[int]]:
+    """Per layer, the order of the source's K/V heads that a query-head reorder implies (each source head in the
+    place of its first query head). Valid when the reorder keeps every source head's query heads together, which
+    ``contiguous_permutation`` does for a target that groups whole source heads."""
+    orders = []
+    for layer, order in zip(source.layers, query_order):
+        orders.append(list(dict.fromkeys(layer.key[h] for h in order)))
+    return orders
+
+
+def source_map_of(config, model_dir: Path) -> HeadMap:
+    """The head map a plain LLaMA source serves (MHA, or standard GQA); models that already have a DHA head map
+    are not a conversion source."""
+    if getattr(config, 'head_map', None) is not None or config.model_type != 'llama':
+        raise HeadMapError(f'{model_dir} is a {config.model_type} model; convert starts from a plain LLaMA (MHA or '
+                           'GQA) folder')
+    return HeadMap.from_hf_config(config)
+
+
+def budget_line(head_map: HeadMap, source: HeadMap) -> str:
+    """The KV budget against the source's cache and against MHA's (the unit every method's rows compare in)."""
+    return (f'{head_map.kv_budget_fraction_of(source):.1%} of the source KV cache, '
+            f'{head_map.kv_budget_fraction():.1%} of MHA\'s')
+
+
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: HeadMap, *,
                        overwrite: bool = False) -> Path:
-    """Mean-pool the K/V heads of an MHA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
+    """Mean-pool the K/V heads of an MHA or GQA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
-    if config.num_key_value_heads != config.num_attention_heads:
-        raise HeadMapError(f'{model_dir} already shares K/V heads (num_key_value_heads={config.num_key_value_heads});'
-                           ' convert an MHA checkpoint')
     head_map.check_fits(config)
+    source = source_map_of(config, model_dir)
+    head_map.source_partitions(source)  # a target that splits a source head fails here, before loading
     model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=torch.float32)
     state = model.state_dict()
+    del model
 
     contiguous = as_contiguous_gqa(head_map)
     if contiguous is not None:
         head_map, order = contiguous
-        state = permute_llama_state_dict(state, order, head_map.head_dim)
-    state = mean_pool_llama_state_dict(state, [layer.key for layer in head_map.layers],
-                                       [layer.value for layer in head_map.layers], head_map.head_dim)
+        state = permute_llama_state_dict(state, order, head_map.head_dim, kv_orders=source_order(source, order))
+        source = source.permuted(order)
+    key_partitions, value_partitions = head_map.source_partitions(source)
+    state = mean_pool_llama_state_dict(state, [list(partition_to_assignment(p, sum(map(len, p)))) for p in key_partitions],
+                                       [list(partition_to_assignment(p, sum(map(len, p)))) for p in value_partitions], head_map.head_dim)
+    settings = config.to_diff_dict()
     if contiguous is not None:
         config.num_key_value_heads = head_map.uniform_gqa_groups()
         converted = LlamaForCausalLM(config)
     else:
         # K and V grouped differently, or unequal groups: the decoupled-head model serves any head map.
-        dha_config = DhaLlamaConfig(head_map=head_map.to_dict(), **config.to_diff_dict())
-        converted = DhaLlamaForCausalLM(dha_config)
+        settings.pop('num_key_value_heads', None)
+        converted = DhaLlamaForCausalLM(DhaLlamaConfig(head_map=head_map.to_dict(), **settings))
     converted.load_state_dict(state)
 
     with staged_folder(out_dir, overwrite) as staging:
@@ -67,25 +98,29 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
+    parser.add_argument('model_dir', help='local HF LLaMA folder (MHA or GQA)')
     parser.add_argument('out_dir')
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument('--head-map', default=None, help='a head_map.json')
-    target.add_argument('--kv-heads', type=int, default=None, help='contiguous GQA with this many K/V heads per layer')
+    target.add_argument('--kv-heads', type=int, default=None, help='this many K/V heads per layer, each the mean of a contiguous run of the source\'s K/V heads (standard GQA when it divides them)')
     parser.add_argument('--overwrite', action='store_true')
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True) \
+        if (Path(args.model_dir) / 'config.json').is_file() else None
+    if config is None:
+        raise InputNotFoundError(f'no HF config.json in {args.model_dir}')
+    source = source_map_of(config, Path(args.model_dir))
     if args.head_map is not None:
         head_map = HeadMap.load(args.head_map)
     else:
-        config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
         try:
-            head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, args.kv_heads,
-                                   head_dim(config))
+            head_map = HeadMap.pooled(source, args.kv_heads)
         except HeadMapError as exc:
             raise HeadMapError(f'--kv-heads {args.kv_heads}: {exc}') from exc
     out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
-    print(f'dha-train convert: wrote {out} ({head_map.kv_budget_fraction():.0%} of the MHA KV heads)')
+    print(f'dha-train convert: wrote {out} (K/V heads per layer {head_map.kv_heads()[0]}'
+          f'{"" if len(set(head_map.kv_heads())) == 1 else " (varies by layer)"}; {budget_line(head_map, source)})')
     return 0

@@ -146,6 +146,74 @@ class HeadMap:
             for i, (k, v) in enumerate(zip(key_partitions, value_partitions)))
         return cls(layers, head_dim)
 
+    @classmethod
+    def from_source_partitions(cls, source: HeadMap, key_partitions: Sequence[Partition],
+                               value_partitions: Sequence[Partition]) -> HeadMap:
+        """A target described relative to a (GQA or MHA) source: per layer, partitions of the source's K heads and
+        of its V heads; query head h then reads the target group holding its source head. For an MHA source the
+        source heads are the query heads, so this is ``HeadMap.dha``."""
+        if len(key_partitions) != source.num_layers or len(value_partitions) != source.num_layers:
+            raise HeadMapError(f'{len(key_partitions)} key / {len(value_partitions)} value partitions for a source '
+                               f'of {source.num_layers} layers')
+
+        def query_partition(partition: Partition, source_map: Sequence[int], where: str) -> list[list[int]]:
+            num_source = max(source_map) + 1
+            covered = sorted(int(s) for group in partition for s in group)
+            if covered != list(range(num_source)):
+                raise HeadMapError(f'{where}: groups {[list(g) for g in partition]} must cover the source heads '
+                                   f'0..{num_source - 1} exactly once')
+            return [[h for h, s in enumerate(source_map) if s in set(group)] for group in partition]
+
+        return cls.dha([query_partition(k, layer.key, f'layer {i} key')
+                        for i, (k, layer) in enumerate(zip(key_partitions, source.layers))],
+                       [query_partition(v, layer.value, f'layer {i} value')
+                        for i, (v, layer) in enumerate(zip(value_partitions, source.layers))],
+                       source.num_query_heads, source.head_dim)
+
+    @classmethod
+    def pooled(cls, source: HeadMap, num_kv_heads: int) -> HeadMap:
+        """``num_kv_heads`` K and V heads per layer, each a contiguous run of the source's heads, the runs as equal
+        as they can be (sizes differ by at most one): standard GQA when the count divides the source's K/V heads
+        (and the query heads), else unequal groups (a DHA-served map), e.g. 3 source heads to 2 = {0, 1}, {2}."""
+        counts = {n for layer in source.layers for n in (layer.num_key_heads, layer.num_value_heads)}
+        if len(counts) != 1:
+            raise HeadMapError(f'pooling to {num_kv_heads} heads needs a source with the same K/V head count in '
+                               f'every layer, got {sorted(counts)}')
+        num_source = counts.pop()
+        if not 1 <= num_kv_heads <= num_source:
+            raise HeadMapError(f'{num_kv_heads} K/V heads per layer: the source has {num_source}, so give '
+                               f'1..{num_source}')
+        bounds = [round(i * num_source / num_kv_heads) for i in range(num_kv_heads + 1)]
+        partition = [list(range(bounds[i], bounds[i + 1])) for i in range(num_kv_heads)]
+        return cls.from_source_partitions(source, [partition] * source.num_layers, [partition] * source.num_layers)
+
+    # --- relative to a source ------------------------------------------------------------------------------------
+
+    def source_partitions(self, source: HeadMap) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+        """Per layer, this map's K and V groups as partitions of ``source``'s K and V heads (the units every method
+        works on: for an MHA source the query heads, for a GQA source its shared heads, so nothing is expanded to
+        one head per query head). Raises when a group splits a source head between targets."""
+        if source.num_layers != self.num_layers or source.num_query_heads != self.num_query_heads:
+            raise HeadMapError(f'head map ({self.num_layers} layers, {self.num_query_heads} query heads) does not '
+                               f'fit the source ({source.num_layers} layers, {source.num_query_heads} query heads)')
+        partitions: tuple[list, list] = ([], [])
+        for index, (target, origin) in enumerate(zip(self.layers, source.layers)):
+            for kind, out in (('key', partitions[0]), ('value', partitions[1])):
+                target_map, source_map = getattr(target, kind), getattr(origin, kind)
+                group_of: dict[int, int] = {}
+                for head, (group, unit) in enumerate(zip(target_map, source_map)):
+                    if group_of.setdefault(unit, group) != group:
+                        raise HeadMapError(
+                            f'layer {index} {kind}: query heads of source {kind} head {unit} '
+                            f'({[h for h, s in enumerate(source_map) if s == unit]}) land in different target '
+                            'groups; a target over a GQA source must group whole source heads')
+                out.append(_groups([group_of[unit] for unit in range(max(source_map) + 1)]))
+        return partitions
+
+    def kv_budget_fraction_of(self, source: HeadMap) -> float:
+        """Compact KV heads as a fraction of ``source``'s (1/3 for one K and one V head from SmolLM2's 3)."""
+        return sum(k + v for k, v in self.kv_heads()) / sum(k + v for k, v in source.kv_heads())
+
     # --- properties ---------------------------------------------------------------------------------------------
 
     @property

@@ -22,8 +22,10 @@ def _split_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 def mean_pool_heads(rows: torch.Tensor, head_to_group: Sequence[int], head_dim: int) -> torch.Tensor:
     """Average the K (or V) heads of each group: the GQA baseline's conversion (Ainslie et al. 2023).
 
-    ``rows`` is a k_proj/v_proj weight (or bias) with one head per query head; ``head_to_group[h]`` is the compact
-    head that query head h will read. Returns the compact projection with one head per group, in group order.
+    ``rows`` is a k_proj/v_proj weight (or bias) with one head per query head (MHA) or per shared head (a GQA
+    source, whose heads are each read by equally many query heads, so their plain mean is the mean over query
+    heads); ``head_to_group[s]`` is the compact head that head s joins. Returns the compact projection with one head
+    per group, in group order.
     """
     heads = _split_heads(rows, head_dim)
     if heads.shape[0] != len(head_to_group):
@@ -60,10 +62,11 @@ def _attention_key(layer: int, name: str) -> str:
 
 def mean_pool_llama_state_dict(state_dict: dict[str, torch.Tensor], key_maps: Sequence[Sequence[int]],
                                value_maps: Sequence[Sequence[int]], head_dim: int) -> dict[str, torch.Tensor]:
-    """MHA LLaMA state dict -> compact K/V projections per layer (a new dict; the input is not modified).
+    """LLaMA state dict -> compact K/V projections per layer (a new dict; the input is not modified).
 
-    ``key_maps[l][h]`` / ``value_maps[l][h]`` give the compact key / value head of query head h in layer l (the
-    ``key`` and ``value`` tuples of a HeadMap layer).
+    ``key_maps[l][s]`` / ``value_maps[l][s]`` give the compact key / value head of the model's K / V head s in layer
+    l: for an MHA model the ``key`` and ``value`` tuples of a HeadMap layer (one K/V head per query head); for a GQA
+    model, maps over its shared heads (``HeadMap.source_partitions``), so its K/V weights are never expanded.
     """
     converted = dict(state_dict)
     for layer, (key_map, value_map) in enumerate(zip(key_maps, value_maps)):
@@ -78,17 +81,18 @@ def mean_pool_llama_state_dict(state_dict: dict[str, torch.Tensor], key_maps: Se
 
 
 def permute_llama_state_dict(state_dict: dict[str, torch.Tensor], orders: Sequence[Sequence[int]],
-                             head_dim: int, permute_kv: bool = True) -> dict[str, torch.Tensor]:
-    """Reorder the query heads of every layer (Q rows and O columns, and K/V rows when ``permute_kv``, i.e. for
-    MHA weights where K/V heads are per query head). The model computes the same function."""
+                             head_dim: int, kv_orders: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+    """Reorder the query heads of every layer (Q rows and O columns) and the K/V heads (rows) by ``kv_orders``,
+    which default to ``orders`` (MHA: one K/V head per query head). For a GQA model, ``kv_orders`` must reorder its
+    shared heads the way ``orders`` reorders their query heads. The model computes the same function."""
+    kv_orders = orders if kv_orders is None else kv_orders
     permuted = dict(state_dict)
-    for layer, order in enumerate(orders):
-        projections = ('q_proj', 'k_proj', 'v_proj') if permute_kv else ('q_proj',)
-        for proj in projections:
+    for layer, (order, kv_order) in enumerate(zip(orders, kv_orders)):
+        for proj, proj_order in (('q_proj', order), ('k_proj', kv_order), ('v_proj', kv_order)):
             for param in ('weight', 'bias'):
                 name = _attention_key(layer, f'{proj}.{param}')
                 if name in state_dict:
-                    permuted[name] = permute_head_rows(state_dict[name], order, head_dim)
+                    permuted[name] = permute_head_rows(state_dict[name], proj_order, head_dim)
         name = _attention_key(layer, 'o_proj.weight')
         permuted[name] = permute_head_columns(state_dict[name], order, head_dim)
     return permuted
