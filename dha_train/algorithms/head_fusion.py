@@ -52,6 +52,15 @@ from dha_train.optim import add_param_group
 OMEGA_GROUP = 'fusion_omega'
 
 
+def fusion_source(config) -> HeadMap:
+    """The map of the plain LLaMA (MHA or standard GQA) that fusion starts from; a model that already serves a
+    DHA head map or routes heads is not a source."""
+    if getattr(config, 'head_map', None) is not None or config.model_type != 'llama':
+        raise ConfigError(f'head_fusion: fusion starts from a plain LLaMA (MHA or GQA), not a {config.model_type} '
+                          'model')
+    return HeadMap.from_hf_config(config)
+
+
 class HeadFusion(Algorithm):
     def __init__(self, head_map: Optional[str] = None, warmup_groups: Optional[int] = None, omega_lr: float = 0.05,
                  lambda_lr: float = 0.05, lambda_init: float = 0.0, rho: float = 0.0, margin_base: float = 0.999,
@@ -89,26 +98,29 @@ class HeadFusion(Algorithm):
     # --- surgery ------------------------------------------------------------------------------------------------
 
     def partitions(self, config) -> tuple[list, list]:
-        """Per-layer K and V partitions: the head map's groups, or contiguous warm-up groups (Search)."""
-        num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+        """Per-layer K and V partitions of the source's own K/V heads (the query heads for an MHA source, the shared
+        heads for a GQA one: fusion weights mix the source heads of a group, nothing is expanded per query head):
+        the head map's groups, or contiguous warm-up groups (Search)."""
+        source = fusion_source(config)
         if self.head_map_path is None:
-            groups = neighbour_groups(num_heads, self.warmup_groups)
-            return [groups] * num_layers, [groups] * num_layers
+            num_units = source.layers[0].num_key_heads
+            if num_units % self.warmup_groups:
+                raise ConfigError(f'head_fusion: warmup_groups {self.warmup_groups} must divide the source\'s '
+                                  f'{num_units} K/V heads')
+            groups = neighbour_groups(num_units, self.warmup_groups)
+            return [groups] * source.num_layers, [groups] * source.num_layers
         self.head_map.check_fits(config)
-        return ([layer.key_groups() for layer in self.head_map.layers],
-                [layer.value_groups() for layer in self.head_map.layers])
+        return self.head_map.source_partitions(source)
 
     def apply_surgery(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         hf = hf_model(model)
         config = hf.config
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ConfigError('head_fusion: fusion starts from an MHA model (num_key_value_heads == num_attention_heads)')
         key_partitions, value_partitions = self.partitions(config)
         width = head_dim(config)
         self.projections = []
         for attn, key_groups, value_groups in zip(attention_modules(hf), key_partitions, value_partitions):
-            attn.k_proj = FusedProjection(attn.k_proj, group_members(key_groups, config.num_attention_heads), width)
-            attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_attention_heads), width)
+            attn.k_proj = FusedProjection(attn.k_proj, group_members(key_groups, config.num_key_value_heads), width)
+            attn.v_proj = FusedProjection(attn.v_proj, group_members(value_groups, config.num_key_value_heads), width)
             self.projections.append((attn.k_proj, attn.v_proj))
         tag_method(config, 'dha')  # the checkpoint exports by baking the fusion (dha_train.methods)
         # A rank without weights yet (model.load_on_rank0 builds ranks other than 0 on the meta device) cannot split

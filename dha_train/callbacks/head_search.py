@@ -5,7 +5,8 @@ its V heads) for a short run (about 240 steps at paper scale). Every ``interval`
 K and V head distances: the weight-space form of Eq. 6, L(h, h') = 1/g ||W^(h) - W^(h')||^2, drives the grouping,
 and the omega-only form of Eq. 7 is logged and saved beside it. At the end of the run, on the mean distances:
 
-1. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the MHA K+V heads, from
+1. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the source's K+V heads (MHA's,
+   or a GQA source's shared heads, which are then the units grouped: nothing is expanded per query head), from
    each layer's fusion loss (Eq. 7 as Alg. 3 normalises it, per kind, averaged over the Search): the cost of giving a
    (layer, kind) ``c`` heads is its loss x (H / c - 1), so layers whose heads resist fusing keep more heads (section
    4.3: "allocate more head budget to layers with higher loss"; App. B.4). That loss lives in the space of the fusion
@@ -33,10 +34,11 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
-from dha_train.algorithms.head_fusion import HeadFusion
+from dha_train.algorithms.head_fusion import HeadFusion, fusion_source
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
+from dha_train.models.llama_layout import hf_model
 from dha_train.ops.budget import allocate_kv_heads, fusion_loss_costs, group_at_allocation, whole_head_count
 from dha_train.ops.fusion import head_distances
 from dha_train.paths import refuse_nonempty, staged_folder
@@ -48,7 +50,7 @@ KINDS = ('key', 'value')
 
 
 def total_heads_for_budget(kv_budget: float, num_layers: int, num_heads: int) -> int:
-    """The K+V head total that ``kv_budget`` (a fraction of the MHA K+V heads) stands for; it must be whole."""
+    """The K+V head total that ``kv_budget`` (a fraction of the source's K+V heads) stands for; it must be whole."""
     return whole_head_count(kv_budget, 2 * num_layers * num_heads)
 
 
@@ -68,6 +70,7 @@ class HeadSearch(Callback):
         self.loss_sum: Optional[torch.Tensor] = None  # (L, 2) omega fusion loss per layer and kind (Eq. 7, Alg. 3)
         self.result: Optional[dict] = None
         self._fusion: Optional[HeadFusion] = None
+        self._source: Optional[HeadMap] = None  # the source model's map (MHA or GQA), to state the result over
 
     # --- checks -------------------------------------------------------------------------------------------------
 
@@ -83,6 +86,7 @@ class HeadSearch(Callback):
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
         allocate_kv_heads(lambda *_: 0.0, num_layers, num_heads, total, allowed=self.allowed)  # reachable?
         self._fusion = fusion
+        self._source = fusion_source(hf_model(state.model).config)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._check(state)
@@ -144,12 +148,16 @@ class HeadSearch(Callback):
         allocation = allocate_kv_heads(costs, num_layers, num_heads, total, allowed=self.allowed)
         key_partitions, value_partitions = group_at_allocation(-weight, allocation, restarts=self.restarts,
                                                                steps=self.steps, seed=self.seed)
-        head_map = HeadMap.dha(key_partitions, value_partitions, num_heads, head_dim)
+        head_map = HeadMap.from_source_partitions(self._source, key_partitions, value_partitions)
+        if head_map.head_dim != head_dim:
+            raise RuntimeError(f'head_search: head dim {head_map.head_dim} of the source vs {head_dim} of fusion')
         return {
             'head_map': head_map.to_dict(), 'kv_budget': self.kv_budget, 'kv_heads_total': total,
+            'kv_budget_fraction_of_source': head_map.kv_budget_fraction_of(self._source),
             'kv_budget_fraction': head_map.kv_budget_fraction(), 'recorded_batches': self.records,
             'allocation': head_map.kv_heads(), 'allocation_costs': costs,
             'layers': [{'key_heads': len(key_partitions[layer]), 'value_heads': len(value_partitions[layer]),
+                        # groups of the source's K/V heads (the query heads for an MHA source)
                         'key_groups': key_partitions[layer], 'value_groups': value_partitions[layer],
                         'key_fusion_loss': layer_loss[layer][0], 'value_fusion_loss': layer_loss[layer][1],
                         'key_mean_head_distance': _mean_off_diagonal(weight[layer]),
@@ -174,9 +182,10 @@ class HeadSearch(Callback):
             torch.save({'weight_space': weight, 'omega_only': omega, 'records': self.records},
                        staging / DISTANCES_FILE)
             plot_kv_allocation(head_map, staging / 'kv_heads.png', title='DHA search: K/V heads per layer')
+            source_partitions = head_map.source_partitions(self._source)  # the distances are between source heads
             for index, kind in enumerate(KINDS):
                 matrices = weight[index * num_layers:(index + 1) * num_layers]
-                partitions = [getattr(layer, f'{kind}_groups')() for layer in head_map.layers]
+                partitions = source_partitions[index]
                 plot_head_similarity(list(matrices), staging / f'head_distance_{kind}.png', partitions=partitions,
                                      limits=(0.0, float(matrices.max())),
                                      title=f'Eq. 6 distance between {kind} heads (ordered by group)')

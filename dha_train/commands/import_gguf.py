@@ -87,11 +87,15 @@ def read_header(path: Path) -> dict[str, Any]:
     except ImportError as exc:
         raise DhaTrainError('reading GGUF files needs the gguf package: pip install "gguf==0.19.0" (the [real] '
                             'extra), or `make install`') from exc
+    with path.open('rb') as handle:
+        magic = handle.read(4)
+    if magic != b'GGUF':
+        raise GgufError(f'{path} is not a GGUF file (it does not start with the bytes GGUF)')
     try:
         reader = gguf.GGUFReader(path)
-    except Exception as exc:  # bad magic, a truncated header, an empty file: numpy and gguf raise several types
+    except Exception as exc:  # a truncated or corrupt header: numpy and gguf raise several types
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise GgufError(f'{path} is not a GGUF file ({reason})') from None
+        raise GgufError(f'{path} is not a readable GGUF file ({reason})') from None
 
     def field(key: str):
         found = reader.fields.get(key)

@@ -119,6 +119,56 @@ def test_baked_dha_model_equals_the_fusion_model_when_groups_agree(tmp_path):
 
 
 
+def tiny_gqa() -> LlamaForCausalLM:
+    """8 query heads sharing 4 K/V heads (head dim 8)."""
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize('options', ['map', 'warmup'])
+def test_fusion_from_a_gqa_source_equals_it_at_init_and_bakes_to_the_map(tmp_path, options):
+    """Fusion weights mix the source's shared K/V heads (4 per layer here, never expanded to the 8 query heads);
+    at the Kronecker init the model is the GQA source, and once the groups agree the exported DHA model computes
+    what the fusion model computes, its map stated over the query heads."""
+    from dha_train.methods import export_model
+    from dha_train.models.modeling_dha import DhaLlamaForCausalLM
+
+    gqa = tiny_gqa()
+    source = HeadMap.from_hf_config(gqa.config)
+    target = HeadMap.from_source_partitions(source, [[[0, 1], [2, 3]], [[0, 1, 2, 3]]],
+                                            [[[0, 2], [1, 3]], [[0], [1], [2], [3]]])
+    fused = copy.deepcopy(gqa)
+    algorithm = (HeadFusion(warmup_groups=1) if options == 'warmup'
+                 else HeadFusion(head_map=str(target.save(tmp_path / 'head_map.json'))))
+    algorithm.apply_surgery(fused)
+    for pair in algorithm.projections:
+        for projection in pair:
+            assert projection.weight.shape[0] == 4 * 8 and projection.omega.shape[:1] == (4,)
+    ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, gqa(ids).logits, rtol=0, atol=1e-5)
+    if options == 'warmup':
+        return
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for pair in algorithm.projections:
+            for projection in pair:  # random omega that agrees within every group
+                omega = torch.rand(projection.omega.shape, generator=generator)
+                for row in projection.members.tolist():
+                    omega[row] = omega[row].mean(dim=0)
+                projection.omega.copy_(omega)
+        reference = fused(ids).logits
+    config, weights = export_model(copy.deepcopy(fused.config), fused.state_dict())
+    assert HeadMap.from_hf_config(config) == target
+    dha = DhaLlamaForCausalLM(config).eval()
+    dha.load_state_dict(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
+
+
 def test_progressive_fusion_stage_state_round_trips_and_must_match_the_recipe(tmp_path):
     head_map = str(TINY_MAP.save(tmp_path / 'head_map.json'))
     algorithm = HeadFusion(head_map=head_map, progressive=[2])

@@ -17,23 +17,26 @@ from helpers import SEQ_LEN, tiny_recipe
 HEADS, HEAD_DIM, HIDDEN = 8, 8, 64
 
 
-def planted_mha(path, tokenizer_dir, rescale: float = 1.0):
+def planted_mha(path, tokenizer_dir, rescale: float = 1.0, query_heads: int = HEADS):
     """2 layers x 8 heads. Layer 0: K heads near-copies of one head, V heads unrelated. Layer 1: K heads unrelated,
     V heads two interleaved clusters {0,2,4,6} and {1,3,5,7}.
 
     ``rescale`` c multiplies layer 0's W_k by c and divides its W_q by c (RoPE is linear, so every attention logit is
-    unchanged), and divides layer 1's W_v by c and multiplies its W_o by c: the same function, other weight scales."""
+    unchanged), and divides layer 1's W_v by c and multiplies its W_o by c: the same function, other weight scales.
+
+    ``query_heads`` > 8 makes it a GQA model whose 8 K/V heads (the planted ones) are shared by the query heads."""
     torch.manual_seed(0)
+    head_dim = HIDDEN // query_heads
     config = LlamaConfig(vocab_size=384, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ_LEN)
+                         num_attention_heads=query_heads, num_key_value_heads=HEADS, max_position_embeddings=SEQ_LEN)
     model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
 
     def heads_like(centres, assignment):
-        noise = 0.01 * torch.randn(HEADS, HEAD_DIM, HIDDEN, generator=generator)
-        return (centres[assignment] + noise).reshape(HEADS * HEAD_DIM, HIDDEN)
+        noise = 0.01 * torch.randn(HEADS, head_dim, HIDDEN, generator=generator)
+        return (centres[assignment] + noise).reshape(HEADS * head_dim, HIDDEN)
 
-    distinct = lambda count: 0.3 * torch.randn(count, HEAD_DIM, HIDDEN, generator=generator)  # noqa: E731
+    distinct = lambda count: 0.3 * torch.randn(count, head_dim, HIDDEN, generator=generator)  # noqa: E731
     with torch.no_grad():
         first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
         first.k_proj.weight.copy_(heads_like(distinct(1), [0] * HEADS))
@@ -49,7 +52,8 @@ def planted_mha(path, tokenizer_dir, rescale: float = 1.0):
     return path
 
 
-def search_recipe(tmp_path, data_root, tokenizer_dir, out, rescale: float = 1.0, **callback):
+def search_recipe(tmp_path, data_root, tokenizer_dir, out, rescale: float = 1.0, query_heads: int = HEADS,
+                  **callback):
     # lambda starts high so that the fusion penalty pulls the omegas together within the 10 steps.
     recipe = tiny_recipe(data_root, tokenizer_dir, max_duration='10ba', optimizer={'lr': 1.0e-5},
                          algorithms={'head_fusion': {'warmup_groups': 1, 'stop_at_threshold': False,
@@ -57,7 +61,8 @@ def search_recipe(tmp_path, data_root, tokenizer_dir, out, rescale: float = 1.0,
                                                      'margin_warmup_steps': 0}},
                          callbacks={'head_search': {'out': str(out), 'kv_budget': 0.375, **callback},
                                     'fusion_monitor': {}})
-    recipe['model'] = {'pretrained_path': str(planted_mha(tmp_path / f'mha-{rescale:g}', tokenizer_dir, rescale))}
+    source = planted_mha(tmp_path / f'source-{rescale:g}-{query_heads}', tokenizer_dir, rescale, query_heads)
+    recipe['model'] = {'pretrained_path': str(source)}
     return recipe
 
 
@@ -92,6 +97,25 @@ def test_search_meets_the_budget_and_gives_k_and_v_their_own_counts(tmp_path, da
     assert 'search/layer0/key_head_distance' in logged and 'search/layer1/value_omega_distance' in logged
     assert 'fusion/layer1/value_self_weight' in logged and 'fusion/lambda' in logged
     assert logged['search/layer0/key_heads'][-1][1] == counts[0][0]
+
+
+def test_search_from_a_gqa_source_groups_its_shared_heads(tmp_path, data_root, tokenizer_dir):
+    """16 query heads sharing the 8 planted K/V heads: the Search groups the 8 shared heads (the budget is a
+    fraction of the source's K+V heads), and the map it writes is stated over the query heads."""
+    from dha_train.config import load_config
+    from dha_train.train import train
+
+    out = tmp_path / 'search'
+    train(load_config(search_recipe(tmp_path, data_root, tokenizer_dir, out, query_heads=16))).close()
+    head_map = HeadMap.load(out / 'head_map.json')
+    report = json.loads((out / 'search.json').read_text())
+    assert head_map.num_query_heads == 16 and sum(k + v for k, v in head_map.kv_heads()) == 12
+    assert report['kv_budget_fraction_of_source'] == pytest.approx(0.375)
+    assert report['kv_budget_fraction'] == pytest.approx(12 / 64)
+    source = HeadMap.gqa(2, 16, HEADS, HIDDEN // 16)
+    head_map.source_partitions(source)  # whole source heads only
+    # Layer 1's V groups keep the planted clusters apart: query head h reads source head h // 2.
+    assert all(len({(head // 2) % 2 for head in group}) == 1 for group in head_map.layers[1].value_groups())
 
 
 def test_allocation_is_invariant_to_rescaling_w_k_or_w_v(tmp_path, data_root, tokenizer_dir):

