@@ -17,7 +17,6 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.errors import InputNotFoundError
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError
-from dha_train.models.llama_layout import head_dim
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
