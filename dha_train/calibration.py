@@ -20,6 +20,7 @@ from dha_train.config import ConfigError, TrainLoaderConfig
 from dha_train.data.loaders import build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.errors import DhaTrainError
+from dha_train.models.head_map import source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.similarity import RunningGram
 
@@ -209,15 +210,13 @@ def calibrate(model: torch.nn.Module, batches: Iterable[dict], *, num_tokens: in
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
-def load_mha_model(model_dir: Path, config, *, dtype: str = 'float32', device: str = 'cpu', who: str = 'search'):
-    """The MHA LLaMA in ``model_dir`` for calibration; a checkpoint that already shares K/V heads is refused."""
-    if config.num_key_value_heads != config.num_attention_heads:
-        raise ConfigError(f'{who}: {model_dir} already shares K/V heads (num_key_value_heads='
-                          f'{config.num_key_value_heads}); {who} starts from an MHA checkpoint')
+def load_source_model(model_dir: Path, config, *, dtype: str = 'float32', device: str = 'cpu', who: str = 'search'):
+    """The plain LLaMA (MHA or GQA) in ``model_dir`` for calibration, and its head map (``source_head_map``)."""
+    source = source_head_map(config, who)
     if dtype not in DTYPES:
         raise ConfigError(f"{who}: dtype must be float32, bfloat16 or float16, got '{dtype}'")
     model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=DTYPES[dtype])
-    return model.to(device)
+    return model.to(device), source
 
 
 def calibration_batches(model_dir: Path, config, *, data: str, split: str, batch_size: int, seed: int,

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import os
 import random
 from collections.abc import Sequence
@@ -226,6 +227,20 @@ class _LocalCopy:
         return DatasetDict({split: adapt(data) if adapt else data for split, data in loaded.items()})
 
 
+class _Once:
+    """A task's ``process_docs`` run once per split. lm-eval calls it on the same split for the scored and the
+    few-shot documents; from the hub, datasets' cache files make the repeats free, in memory they would be redone
+    (hellaswag: three passes over 10k documents)."""
+
+    def __init__(self, process_docs):
+        self.process_docs, self.done = process_docs, {}
+
+    def __call__(self, split):
+        if id(split) not in self.done:
+            self.done[id(split)] = (split, self.process_docs(split))  # the split is kept: its id stays its own
+        return self.done[id(split)][1]
+
+
 def offline_config(config: dict, source: OfflineSource, root: Path) -> tuple[dict, dict]:
     """lm-eval's own task config with only its data loading redirected to the local copy, and a record of it.
 
@@ -251,6 +266,8 @@ def offline_config(config: dict, source: OfflineSource, root: Path) -> tuple[dic
     patched = {**config, 'custom_dataset': _LocalCopy(folder, tuple(sorted({scored, fewshot}))),
                'dataset_path': str(folder), 'dataset_name': None, 'dataset_kwargs': None,
                'training_split': None, 'validation_split': None, 'test_split': scored, 'fewshot_split': fewshot}
+    if callable(config.get('process_docs')):
+        patched['process_docs'] = _Once(config['process_docs'])
     if 'split' in fewshot_cfg:
         patched['fewshot_config'] = {**fewshot_cfg, 'split': fewshot}
     record = {'split': scored, 'lm_eval_split': lm_eval_split,
@@ -277,11 +294,11 @@ def _offline_factory_class():
 
         def _load_full_config(self, entry, overrides=None):
             config = super()._load_full_config(entry, overrides)
-            source = offline_tasks().get(config.get('task'))
-            from_lm_eval = entry.yaml_path is not None and Path(entry.yaml_path).resolve().is_relative_to(
-                self.lm_eval_tasks)
+            if entry.kind != Kind.TASK or not isinstance(config.get('task'), str) or entry.yaml_path is None:
+                return config
+            source = offline_tasks().get(config['task'])
             # Only lm-eval's own configs: an --include folder's task of the same name keeps its own data.
-            if entry.kind == Kind.TASK and source is not None and from_lm_eval:
+            if source is not None and Path(entry.yaml_path).resolve().is_relative_to(self.lm_eval_tasks):
                 config, self.records[config['task']] = offline_config(config, source, self.root)
             return config
 
@@ -407,6 +424,30 @@ def hub_offline():
                 os.environ[name] = value
 
 
+class _DropCustomDatasetNotice(logging.Filter):
+    """lm-eval warns, for every task read through ``custom_dataset``, how to pass it --metadata: not ours to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return 'Custom kwargs can be passed' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_local_data():
+    """No per-task lm-eval notice and no datasets progress bar for the in-memory maps over the local splits."""
+    import datasets
+
+    logger, notice = logging.getLogger('lm_eval.api.task'), _DropCustomDatasetNotice()
+    bars = datasets.is_progress_bar_enabled()
+    logger.addFilter(notice)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def _leaves(task: str, members: dict[str, list[str]]) -> list[str]:
     return [leaf for child in members[task] for leaf in _leaves(child, members)] if task in members else [task]
 
@@ -441,7 +482,7 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     by_shots: dict[int, list[str]] = {}
     for task, shots in chosen.items():
         by_shots.setdefault(shots, []).append(task)
-    with hub_offline():
+    with hub_offline(), _quiet_local_data():
         for shots, group in sorted(by_shots.items()):
             output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
                                      log_samples=False, random_seed=seed, numpy_random_seed=seed,

@@ -142,16 +142,17 @@ HEADS, HEAD_DIM, LAYERS = 8, 8, 2
 PNG = b'\x89PNG'
 
 
-def planted_mha(path, seed: int = 0) -> list[dict[str, list[list[int]]]]:
+def planted_mha(path, seed: int = 0, query_heads: int = HEADS) -> list[dict[str, list[list[int]]]]:
     """A tiny MHA LLaMA whose K heads (and, with another shuffle, V heads) form two planted groups of four near-copies.
+    ``query_heads`` = 16 makes it GQA: 16 query heads share the 8 planted K/V heads (query head h reads h // 2).
 
-    Returns the planted groups per layer: {'key': partition, 'value': partition}.
+    Returns the planted groups (of the K/V heads) per layer: {'key': partition, 'value': partition}.
     """
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                         max_position_embeddings=64)
+                         num_hidden_layers=LAYERS, num_attention_heads=query_heads, num_key_value_heads=HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=64)
     model = LlamaForCausalLM(config).eval()
     truth = []
     with torch.no_grad():

@@ -34,7 +34,7 @@ from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
 from dha_train.models.fusion import FusedProjection
-from dha_train.models.head_map import HeadMap
+from dha_train.models.head_map import HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules, head_dim, hf_model
 from dha_train.ops.fusion import (
     dual_ascent,
@@ -50,15 +50,6 @@ from dha_train.ops.grouping import Partition, neighbour_groups
 from dha_train.optim import add_param_group
 
 OMEGA_GROUP = 'fusion_omega'
-
-
-def fusion_source(config) -> HeadMap:
-    """The map of the plain LLaMA (MHA or standard GQA) that fusion starts from; a model that already serves a
-    DHA head map or routes heads is not a source."""
-    if getattr(config, 'head_map', None) is not None or config.model_type != 'llama':
-        raise ConfigError(f'head_fusion: fusion starts from a plain LLaMA (MHA or GQA), not a {config.model_type} '
-                          'model')
-    return HeadMap.from_hf_config(config)
 
 
 class HeadFusion(Algorithm):
@@ -101,7 +92,7 @@ class HeadFusion(Algorithm):
         """Per-layer K and V partitions of the source's own K/V heads (the query heads for an MHA source, the shared
         heads for a GQA one: fusion weights mix the source heads of a group, nothing is expanded per query head):
         the head map's groups, or contiguous warm-up groups (Search)."""
-        source = fusion_source(config)
+        source = source_head_map(config, 'head_fusion')
         if self.head_map_path is None:
             num_units = source.layers[0].num_key_heads
             if num_units % self.warmup_groups:

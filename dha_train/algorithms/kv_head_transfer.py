@@ -26,6 +26,7 @@ from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
+from dha_train.models.head_map import source_head_map
 from dha_train.models.llama_layout import attention_modules, head_dim, hf_model
 from dha_train.models.transfer import TransferProjection
 from dha_train.ops.hard_concrete import l0_loss, l0_target
@@ -58,12 +59,11 @@ class KVHeadTransfer(Algorithm):
 
     def apply_surgery(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         config = hf_model(model).config
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ConfigError('kv_head_transfer: the transfer starts from an MHA model (num_key_value_heads == '
-                             'num_attention_heads); align it first with `dha-train align`')
-        if config.num_attention_heads % self.num_groups:
+        # An MHA or GQA model (aligned first with `dha-train align`): its own K/V heads merge into the groups.
+        source_head_map(config, 'kv_head_transfer')
+        if config.num_key_value_heads % self.num_groups:
             raise ConfigError(f'kv_head_transfer: num_groups {self.num_groups} must divide the '
-                             f'{config.num_attention_heads} heads')
+                             f'{config.num_key_value_heads} K/V heads')
         width = head_dim(config)
         self.projections = []
         for attn in attention_modules(model):

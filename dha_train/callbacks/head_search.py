@@ -34,10 +34,10 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
-from dha_train.algorithms.head_fusion import HeadFusion, fusion_source
+from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
-from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import hf_model
 from dha_train.ops.budget import allocate_kv_heads, fusion_loss_costs, group_at_allocation, whole_head_count
 from dha_train.ops.fusion import head_distances
@@ -86,7 +86,7 @@ class HeadSearch(Callback):
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
         allocate_kv_heads(lambda *_: 0.0, num_layers, num_heads, total, allowed=self.allowed)  # reachable?
         self._fusion = fusion
-        self._source = fusion_source(hf_model(state.model).config)
+        self._source = source_head_map(hf_model(state.model).config, 'head_search')
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._check(state)

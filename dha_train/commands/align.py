@@ -1,6 +1,7 @@
 """`dha-train align`: the transform stage of aligned GQA (seed 001 sections 3.3-3.4, Alg. 1 and 2).
 
-From an MHA LLaMA folder and calibration data:
+From an MHA or GQA LLaMA folder and calibration data (for a GQA source the heads below are its shared K/V heads,
+and each query head's Q rows and O columns follow the maps and the order of the K/V head it reads):
 
 1. calibrate K (before RoPE) and V on N tokens, keeping each layer's Gram of the raw caches and of the rows scaled to
    unit norm per head;
@@ -11,7 +12,7 @@ From an MHA LLaMA folder and calibration data:
    q/k and v/o projections (the model is unchanged);
 5. permute the heads so that each group is contiguous (Q/K/V rows, O columns; unchanged again).
 
-It writes an MHA folder that computes what the input computes, with a contiguous GQA head map beside it
+It writes a folder of the source's shape (MHA or GQA) that computes what the input computes, with a contiguous GQA head map beside it
 (``target_head_map.json``: mean-pooling by it gives standard HF GQA, the ``KVHeadTransfer`` starting point) and
 ``alignment.json`` (groups, similarities, within-group cache cosine before and after alignment, timings).
 """
@@ -28,10 +29,10 @@ from typing import Optional
 import torch
 from transformers import LlamaConfig
 
-from dha_train.calibration import calibrate, calibration_batches, load_mha_model
+from dha_train.calibration import calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
-from dha_train.models.head_map import HeadMap
+from dha_train.models.head_map import HeadMap, source_head_map
 from dha_train.models.llama_layout import head_dim as config_head_dim
 from dha_train.ops.alignment import align_llama_state_dict, aligned_similarity, group_maps, within_group_cosine
 from dha_train.ops.grouping import anneal_equal_groups_batch, within_group_score
@@ -67,7 +68,7 @@ def _check(settings: AlignSettings, num_heads: int) -> None:
     if settings.group_by not in GROUP_BY:
         raise ConfigError(f"align: group_by must be one of {', '.join(GROUP_BY)}, got '{settings.group_by}'")
     if settings.num_groups < 1 or num_heads % settings.num_groups:
-        raise ConfigError(f'align: num_groups {settings.num_groups} must divide the {num_heads} heads per layer')
+        raise ConfigError(f'align: num_groups {settings.num_groups} must divide the {num_heads} K/V heads per layer')
     if settings.data is None or not Path(settings.data).is_dir():
         raise InputNotFoundError(f'align: calibration data folder {settings.data} does not exist')
     if settings.tokens < 1:
@@ -75,18 +76,19 @@ def _check(settings: AlignSettings, num_heads: int) -> None:
 
 
 def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSettings, *, overwrite: bool = False) -> dict:
-    """Align and regroup the MHA LLaMA in ``model_dir``; write the aligned MHA folder to ``out_dir``."""
+    """Align and regroup the MHA or GQA LLaMA in ``model_dir``; write the aligned folder to ``out_dir``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
-    num_heads = config.num_attention_heads
+    num_heads = config.num_key_value_heads  # the units aligned and grouped: the source's K/V heads
     head_dim = config_head_dim(config)
+    source_head_map(config, 'align')
     _check(settings, num_heads)
     refuse_nonempty(out_dir, overwrite)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    model = load_mha_model(model_dir, config, device=settings.device, who='align')
+    model, source = load_source_model(model_dir, config, device=settings.device, who='align')
     batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
                                   batch_size=settings.batch_size, seed=settings.seed, who='align')
     stats = calibrate(model, batches, num_tokens=settings.tokens,
@@ -124,18 +126,23 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
         report_layers.append(entry)
 
     state_dict = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    state_dict = align_llama_state_dict(state_dict, maps['key'], maps['value'])
-    orders = [[head for group in partition for head in group] for partition in partitions]
-    state_dict = permute_llama_state_dict(state_dict, orders, head_dim)
+    query_to_kv = [layer.key for layer in source.layers]
+    state_dict = align_llama_state_dict(state_dict, maps['key'], maps['value'], query_to_kv)
+    orders = [[head for group in partition for head in group] for partition in partitions]  # K/V heads
+    # Query heads follow their K/V head (stable within it): a GQA source stays standard GQA.
+    query_orders = [[h for kv in order for h, source_kv in enumerate(shared) if source_kv == kv]
+                    for order, shared in zip(orders, query_to_kv)]
+    state_dict = permute_llama_state_dict(state_dict, query_orders, head_dim, kv_orders=orders)
     model.load_state_dict(state_dict)
-    head_map = HeadMap.gqa(config.num_hidden_layers, num_heads, settings.num_groups, head_dim)
+    head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads, settings.num_groups, head_dim)
     timings['total_s'] = time.perf_counter() - started
 
     def mean_over_layers(key: str) -> float:
         return sum(entry[key] for entry in report_layers) / len(report_layers)
 
     report = {'model': str(model_dir), 'settings': asdict(settings), 'calibration_tokens': stats.tokens,
-              'num_heads': num_heads, 'head_dim': head_dim, 'head_order': orders,
+              'num_heads': config.num_attention_heads, 'num_source_kv_heads': num_heads, 'head_dim': head_dim,
+              'head_order': orders, 'query_head_order': query_orders,
               'mean_cosine': {f'{kind}_{when}': mean_over_layers(f'{kind}_cosine_{when}')
                               for kind in GROUP_BY for when in ('before', 'after')},
               'layers': report_layers, 'timings': timings}
@@ -152,8 +159,8 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
 
 def add_arguments(align: argparse.ArgumentParser) -> None:
     defaults = AlignSettings(num_groups=1)
-    align.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
-    align.add_argument('out_dir', help='folder for the aligned MHA model, target_head_map.json and alignment.json')
+    align.add_argument('model_dir', help='local HF LLaMA folder (MHA or GQA)')
+    align.add_argument('out_dir', help='folder for the aligned model, target_head_map.json and alignment.json')
     align.add_argument('--num-groups', dest='num_groups', type=int, required=True,
                        help='K/V heads per layer of the GQA model to be (GQA-<n>)')
     align.add_argument('--criterion', choices=CRITERIA, default=defaults.criterion,

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.errors import InputNotFoundError
-from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
@@ -40,15 +40,6 @@ def source_order(source: HeadMap, query_order: list[list[int]]) -> list[list[int
     return orders
 
 
-def source_map_of(config, model_dir: Path) -> HeadMap:
-    """The head map a plain LLaMA source serves (MHA, or standard GQA); models that already have a DHA head map
-    are not a conversion source."""
-    if getattr(config, 'head_map', None) is not None or config.model_type != 'llama':
-        raise HeadMapError(f'{model_dir} is a {config.model_type} model; convert starts from a plain LLaMA (MHA or '
-                           'GQA) folder')
-    return HeadMap.from_hf_config(config)
-
-
 def budget_line(head_map: HeadMap, source: HeadMap) -> str:
     """The KV budget against the source's cache and against MHA's (the unit every method's rows compare in)."""
     return (f'{head_map.kv_budget_fraction_of(source):.1%} of the source KV cache, '
@@ -64,7 +55,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     head_map.check_fits(config)
-    source = source_map_of(config, model_dir)
+    source = source_head_map(config, 'convert')
     head_map.source_partitions(source)  # a target that splits a source head fails here, before loading
     model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=torch.float32)
     state = model.state_dict()
@@ -111,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if (Path(args.model_dir) / 'config.json').is_file() else None
     if config is None:
         raise InputNotFoundError(f'no HF config.json in {args.model_dir}')
-    source = source_map_of(config, Path(args.model_dir))
+    source = source_head_map(config, 'convert')
     if args.head_map is not None:
         head_map = HeadMap.load(args.head_map)
     else:

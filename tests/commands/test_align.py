@@ -17,10 +17,10 @@ from dha_train.ops.alignment import plane_rotation
 from helpers import HEAD_DIM, HEADS, free_port, planted_mha
 
 
-def rotated_planted_mha(path):
-    """planted_mha, then each head's K rows turned by a random RoPE-plane rotation and its V rows by a random
+def rotated_planted_mha(path, query_heads: int = HEADS):
+    """planted_mha (GQA with ``query_heads`` > 8), then each head's K rows turned by a random RoPE-plane rotation and its V rows by a random
     orthogonal map: the groups are still there, but only after alignment."""
-    truth = planted_mha(path / 'planted')
+    truth = planted_mha(path / 'planted', query_heads=query_heads)
     model = LlamaForCausalLM.from_pretrained(path / 'planted')
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -48,6 +48,23 @@ def test_align_finds_rotated_groups_raises_cosine_and_preserves_the_model(tmp_pa
     assert HeadMap.load(out / TARGET_MAP_FILE) == HeadMap.gqa(2, HEADS, 2, HEAD_DIM)
     assert not (out / 'head_map.json').exists()  # still an MHA folder
     aligned = LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(aligned(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_align_on_a_gqa_source_groups_its_shared_heads_and_preserves_the_model(tmp_path, data_root):
+    """16 query heads sharing the 8 rotated planted K/V heads: the shared heads are aligned and grouped, each query
+    head follows its K/V head's rotation and order, and the result is still standard GQA computing the same."""
+    truth, model = rotated_planted_mha(tmp_path, query_heads=16)
+    out = tmp_path / 'aligned'
+    report = run_align(tmp_path / 'rotated', out, AlignSettings(num_groups=2, data=str(data_root), tokens=1024,
+                                                                  batch_size=4))
+    assert [entry['groups'] for entry in report['layers']] == [layer['value'] for layer in truth]
+    assert report['mean_cosine']['value_after'] > 0.9
+    assert HeadMap.load(out / TARGET_MAP_FILE) == HeadMap.gqa(2, 16, 2, HEAD_DIM)
+    aligned = LlamaForCausalLM.from_pretrained(out).eval()
+    assert aligned.config.num_key_value_heads == HEADS
     ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(aligned(ids).logits, model(ids).logits, rtol=0, atol=1e-4)

