@@ -272,8 +272,8 @@ def offline_config(config: dict, source: OfflineSource, root: Path) -> tuple[dic
         patched['fewshot_config'] = {**fewshot_cfg, 'split': fewshot}
     record = {'split': scored, 'lm_eval_split': lm_eval_split,
               'fewshot_split': fewshot if fewshot != scored else f'{scored} (the scored example left out)',
-              'lm_eval_fewshot_split': lm_eval_fewshot, 'data': str(folder),
-              'lm_eval_data': ' '.join(part for part in source.hub if part)}
+              'lm_eval_fewshot_split': lm_eval_fewshot, 'data': str(folder), 'lm_eval_data': source.hub[0],
+              'lm_eval_config': source.hub[1]}
     if source.note:
         record['note'] = source.note
     return patched, record
@@ -453,13 +453,14 @@ def _leaves(task: str, members: dict[str, list[str]]) -> list[str]:
 
 
 def _summarise(records: list[dict]) -> dict:
-    """One record for a group (mmlu): each field's value when its members agree, the data folders' parent."""
-    summary = {'data': os.path.commonpath([r['data'] for r in records])} if len(records) > 1 else dict(records[0])
+    """One record for a group (mmlu): each field's value where its members agree, else how many values (e.g.
+    'lm_eval_config': '57 values', one subject each), and the data folders' common parent."""
+    summary = {'data': os.path.commonpath([r['data'] for r in records])}
     for key in records[0]:
+        values = {str(r.get(key)) for r in records}
         if key != 'data':
-            values = sorted({str(r.get(key)) for r in records})
-            summary[key] = records[0][key] if len(values) == 1 else values
-    return summary
+            summary[key] = records[0][key] if len(values) == 1 else f'{len(values)} values'
+    return summary if len(records) > 1 else dict(records[0])
 
 
 def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = None,

@@ -4,7 +4,9 @@
 - ``conversion``: DHA against mean-pool GQA, aligned GQA and AsymGQA on the quickstart teacher;
 - ``moh``: MoH decode attention and decode tokens/s against MHA, and continue-tuning the quickstart teacher;
 - ``search``: activation similarity and grouping at LLaMA-2-7B geometry;
-- ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone.
+- ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone;
+- ``gqa-memory``: parameters and peak memory of DHA Fusion on a GQA source's own K/V heads against expanding them
+  to one per query head, at LLaMA-3-8B geometry (meta device, one layer measured).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
+from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
@@ -84,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument('--out', default=None, help='folder for the pretrained model, data, logs and results.json '
                       '(reused when run again)')
     load.set_defaults(func=run_load)
+    gqa_memory = bench.add_parser('gqa-memory', help='DHA Fusion on a GQA source at LLaMA-3-8B geometry: parameter '
+                                  'bytes (meta device) and one layer\'s measured peak, own K/V heads vs expanded to MHA')
+    gqa_memory.add_argument('--tokens', type=int, default=2048, help='tokens of the one-layer forward and backward')
+    gqa_memory.add_argument('--out', default=None, help='folder for results.json')
+    gqa_memory.set_defaults(func=run_gqa_memory)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -114,4 +122,9 @@ def run_search(args: argparse.Namespace) -> int:
 
 def run_load(args: argparse.Namespace) -> int:
     run_load_bench(out=args.out)
+    return 0
+
+
+def run_gqa_memory(args: argparse.Namespace) -> int:
+    run_gqa_memory_bench(out=args.out, tokens=args.tokens)
     return 0
