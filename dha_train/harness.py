@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +136,18 @@ class OfflineSource:
     lm_eval_folder: str
     hub: tuple[str, str | None]
     local: str
-    note: str | None = None
+    note: str | None = None  # how the local copy differs from the hub's, recorded with the scores
+    adapt: Callable | None = None  # the local copy's columns as the hub's, where they differ
+
+
+def _boolq_as_super_glue(split):
+    """google/boolq's columns (question, answer: bool, passage) as super_glue/boolq's (question, passage, idx,
+    label: ClassLabel False/True), which lm-eval's boolq template reads."""
+    from datasets import ClassLabel
+
+    split = split.map(lambda doc, index: {'label': int(doc['answer']), 'idx': index}, with_indices=True,
+                      remove_columns=['answer'], keep_in_memory=True)
+    return split.cast_column('label', ClassLabel(names=['False', 'True']))
 
 
 _BOOLQ_NOTE = ("google/boolq's copy: its passages lack the '<Wikipedia title> -- ' prefix of lm-eval's super_glue "
@@ -147,7 +158,8 @@ _OFFLINE_SOURCES: dict[str, OfflineSource] = {
     'arc_challenge': OfflineSource('arc', ('allenai/ai2_arc', 'ARC-Challenge'), 'ai2_arc/ARC-Challenge'),
     'hellaswag': OfflineSource('hellaswag', ('Rowan/hellaswag', None), 'hellaswag/none'),
     'winogrande': OfflineSource('winogrande', ('allenai/winogrande', 'winogrande_xl'), 'winogrande/winogrande_xl'),
-    'boolq': OfflineSource('super_glue/boolq', ('aps/super_glue', 'boolq'), 'boolq/none', _BOOLQ_NOTE),
+    'boolq': OfflineSource('super_glue/boolq', ('aps/super_glue', 'boolq'), 'boolq/none', _BOOLQ_NOTE,
+                           _boolq_as_super_glue),
     'sciq': OfflineSource('sciq', ('allenai/sciq', None), 'sciq/none'),
     'openbookqa': OfflineSource('openbookqa', ('allenai/openbookqa', 'main'), 'openbookqa/main'),
     'social_iqa': OfflineSource('siqa', ('lighteval/siqa', None), 'social_i_qa/none'),
@@ -199,32 +211,19 @@ def _local_splits(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir() if (p / 'state.json').is_file()}
 
 
-def _boolq_as_super_glue(split):
-    """google/boolq's columns (question, answer: bool, passage) as super_glue/boolq's (question, passage, idx,
-    label: ClassLabel False/True), which lm-eval's boolq template reads."""
-    from datasets import ClassLabel
-
-    split = split.map(lambda doc, index: {'label': int(doc['answer']), 'idx': index}, with_indices=True,
-                      remove_columns=['answer'], keep_in_memory=True)
-    return split.cast_column('label', ClassLabel(names=['False', 'True']))
-
-
-_ADAPTERS = {'boolq/none': _boolq_as_super_glue}
-
-
 @dataclass(frozen=True)
 class _LocalCopy:
     """lm-eval's ``custom_dataset`` hook: the task's splits read with ``datasets.load_from_disk``, in memory (no
     cache file is written, so a read-only site-packages is fine; ``process_docs`` maps stay in memory too)."""
     folder: Path
     splits: tuple[str, ...]
+    adapt: Callable | None = None
 
     def __call__(self, **_metadata):  # lm-eval passes the task's metadata and dataset_kwargs
         from datasets import DatasetDict, load_from_disk
 
-        adapt = next((fn for local, fn in _ADAPTERS.items() if self.folder.as_posix().endswith(local)), None)
         loaded = {split: load_from_disk(str(self.folder / split), keep_in_memory=True) for split in self.splits}
-        return DatasetDict({split: adapt(data) if adapt else data for split, data in loaded.items()})
+        return DatasetDict({split: self.adapt(data) if self.adapt else data for split, data in loaded.items()})
 
 
 class _Once:
@@ -263,7 +262,7 @@ def offline_config(config: dict, source: OfflineSource, root: Path) -> tuple[dic
     lm_eval_fewshot = (fewshot_cfg.get('split') or config.get('fewshot_split') or config.get('training_split')
                        or config.get('validation_split') or config.get('test_split'))
     fewshot = lm_eval_fewshot if lm_eval_fewshot in shipped else scored
-    patched = {**config, 'custom_dataset': _LocalCopy(folder, tuple(sorted({scored, fewshot}))),
+    patched = {**config, 'custom_dataset': _LocalCopy(folder, tuple(sorted({scored, fewshot})), source.adapt),
                'dataset_path': str(folder), 'dataset_name': None, 'dataset_kwargs': None,
                'training_split': None, 'validation_split': None, 'test_split': scored, 'fewshot_split': fewshot}
     if callable(config.get('process_docs')):
@@ -455,12 +454,14 @@ def _leaves(task: str, members: dict[str, list[str]]) -> list[str]:
 def _summarise(records: list[dict]) -> dict:
     """One record for a group (mmlu): each field's value where its members agree, else how many values (e.g.
     'lm_eval_config': '57 values', one subject each), and the data folders' common parent."""
-    summary = {'data': os.path.commonpath([r['data'] for r in records])}
+    if len(records) == 1:
+        return dict(records[0])
+    summary = {}
     for key in records[0]:
         values = {str(r.get(key)) for r in records}
-        if key != 'data':
-            summary[key] = records[0][key] if len(values) == 1 else f'{len(values)} values'
-    return summary if len(records) > 1 else dict(records[0])
+        summary[key] = records[0][key] if len(values) == 1 else f'{len(values)} values'
+    summary['data'] = os.path.commonpath([r['data'] for r in records])
+    return summary
 
 
 def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = None,
@@ -474,8 +475,6 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(_resolved(include), tuple(chosen))
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-              max_length=model.config.max_position_embeddings)
     scores: dict[str, dict[str, float]] = {}
     subtask_scores: dict[str, dict[str, float]] = {}
     task_data: dict[str, dict] = {}
@@ -484,6 +483,8 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     for task, shots in chosen.items():
         by_shots.setdefault(shots, []).append(task)
     with hub_offline(), _quiet_local_data():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                  max_length=model.config.max_position_embeddings)
         for shots, group in sorted(by_shots.items()):
             output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
                                      log_samples=False, random_seed=seed, numpy_random_seed=seed,

@@ -123,15 +123,17 @@ def print_scores(result: dict) -> None:
     print(f"\n{result['name']} ({result['model_type']}; KV cache {result['kv_cache_bytes_per_4096_tokens']:,} bytes "
           'per 4096 tokens in bf16)')
     task_data = result.get('task_data', {})
-    print(f'{"task":<22} {"shots":>5} {"metric":>12} {"score":>8}  split')
+    print(f'{"task":<22} {"shots":>5} {"metric":>12} {"score":>8}  {"split":<11} other metrics')
     for task, metrics in sorted(result['scores'].items()):
         pick = headline(metrics)
         if pick is not None:
             data = task_data.get(task, {})
             split = data.get('split', '-')
+            others = ' '.join(f'{key} {value:.4f}' for key, value in metrics.items()
+                              if key not in (pick[0], 'num_fewshot', 'sample_len'))
             if data and data.get('lm_eval_split') != split:
-                split = f"{split} (lm-eval scores {data['lm_eval_split']}, not shipped)"
-            print(f'{task:<22} {int(metrics["num_fewshot"]):>5} {pick[0]:>12} {pick[1]:>8.4f}  {split}')
+                others += f" (lm-eval scores {data['lm_eval_split']}, not shipped)"
+            print(f'{task:<22} {int(metrics["num_fewshot"]):>5} {pick[0]:>12} {pick[1]:>8.4f}  {split:<11} {others}')
     for task, data in sorted(task_data.items()):
         if result['scores'].get(task, {}).get('num_fewshot') and data.get('fewshot_split') != data.get(
                 'lm_eval_fewshot_split'):

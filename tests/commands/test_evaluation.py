@@ -174,6 +174,8 @@ def test_bad_arguments_are_named_before_loading_anything(tmp_path, local_task):
     assert resolve_tasks('dha', None, None)['arc_challenge'] == 25 and resolve_tasks('dha', None, None)['boolq'] == 32
     with pytest.raises(EvalError, match='unknown lm-eval task'):
         run_eval(tmp_path / 'nowhere', tasks=['no_such_task_xyz'])
+    with pytest.raises(EvalError, match=r'no offline data for lm-eval task\(s\): gsm8k \('):  # known, not shipped
+        run_eval(tmp_path / 'nowhere', tasks=['gsm8k'])
     with pytest.raises(EvalError, match='built with `dha-train local-task'):
         run_eval(tmp_path / 'nowhere', suite='local')
     with pytest.raises(EvalError, match='model not found'):
