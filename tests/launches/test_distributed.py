@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -131,13 +132,37 @@ def test_fsdp2_two_process_run_trains(uninterrupted):
     assert sorted(p.name for p in final.glob('*.distcp')) == ['__0_0.distcp', '__1_0.distcp']
 
 
-def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted, tmp_path):
+@pytest.fixture(scope='module')
+def killed_with_two(uninterrupted, tmp_path_factory):
+    """One 2-process run SIGKILLed after a checkpoint in the second epoch; the same-count and the 2 -> 1 resumes
+    each continue from a copy of its save folder (one launch fewer than killing a run for each)."""
+    _, recipe, returncode, _ = uninterrupted
+    assert returncode == 0
+    tmp = tmp_path_factory.mktemp('killed-2')
+    resumed_from = _kill_after_checkpoint(2, recipe, tmp / 'ckpt', tmp / 'samples-killed', tmp / 'killed.txt')
+    return tmp, resumed_from
+
+
+def _killed_run(nproc: int, recipe: Path, tmp_path: Path, killed_with_two) -> int:
+    """A killed run's save folder, samples and log under ``tmp_path``: a copy of the shared 2-process one, or a run
+    killed here with ``nproc`` processes. Returns the batch the resume will start at."""
+    if nproc != 2:
+        return _kill_after_checkpoint(nproc, recipe, tmp_path / 'ckpt', tmp_path / 'samples-killed',
+                                      tmp_path / 'killed.txt')
+    shared, resumed_from = killed_with_two
+    shutil.copytree(shared / 'ckpt', tmp_path / 'ckpt', symlinks=True)
+    shutil.copytree(shared / 'samples-killed', tmp_path / 'samples-killed')
+    shutil.copy(shared / 'killed.txt', tmp_path / 'killed.txt')
+    return resumed_from
+
+
+def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted, killed_with_two, tmp_path):
     from dha_train.export import export_hf
 
     reference_tmp, recipe, returncode, _ = uninterrupted
     assert returncode == 0
     save_folder = tmp_path / 'ckpt'
-    resumed_from = _kill_after_checkpoint(2, recipe, save_folder, tmp_path / 'samples-killed', tmp_path / 'killed.txt')
+    resumed_from = _killed_run(2, recipe, tmp_path, killed_with_two)
 
     log = tmp_path / 'resumed.txt'
     done = _launch(2, recipe, save_folder, tmp_path / 'samples-resumed', log)
@@ -165,15 +190,15 @@ def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted
 
 
 @pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
-def test_elastic_resume_keeps_the_global_batches_and_the_loss_curve(uninterrupted, tmp_path, data_root, before, after):
+def test_elastic_resume_keeps_the_global_batches_and_the_loss_curve(uninterrupted, killed_with_two, tmp_path, data_root,
+                                                                    before, after):
     """Killed in the second epoch with ``before`` processes and resumed with ``after`` (the same global batch of 8:
     4 per rank, or 2 micro-batches of 4 on one): every global batch holds the same samples as in the uninterrupted
     2-process run, none repeated or skipped, and the losses agree to fp tolerance (reduction orders differ)."""
     reference_tmp, recipe, returncode, _ = uninterrupted
     assert returncode == 0
     save_folder = tmp_path / 'ckpt'
-    resumed_from = _kill_after_checkpoint(before, recipe, save_folder, tmp_path / 'samples-killed',
-                                          tmp_path / 'killed.txt')
+    resumed_from = _killed_run(before, recipe, tmp_path, killed_with_two)
     log = tmp_path / 'resumed.txt'
     done = _launch(after, recipe, save_folder, tmp_path / 'samples-resumed', log)
     assert done.returncode == 0, log.read_text()[-4000:]
