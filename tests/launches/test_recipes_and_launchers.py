@@ -13,7 +13,7 @@ from helpers import REPO
 
 RECIPES = sorted((REPO / 'yamls').rglob('*.yaml'))
 PLACEHOLDERS = ['variables.model_path=/m', 'variables.data_root=/d', 'variables.save_root=/s',
-                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t', 'variables.tokenizer=/k']
+                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t', 'variables.tokenizer=/k', 'variables.head_map=/h']
 
 
 @pytest.mark.parametrize('recipe', RECIPES, ids=lambda p: str(p.relative_to(REPO)))

@@ -6,7 +6,9 @@
 - ``search``: activation similarity and grouping at LLaMA-2-7B geometry;
 - ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone;
 - ``gqa-memory``: parameters and peak memory of DHA Fusion on a GQA source's own K/V heads against expanding them
-  to one per query head, at LLaMA-3-8B geometry (meta device, one layer measured).
+  to one per query head, at LLaMA-3-8B geometry (meta device, one layer measured);
+- ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
+  and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
+from dha_train.commands.bench.real import BUDGETS as REAL_BUDGETS
+from dha_train.commands.bench.real import METHODS as REAL_METHODS
+from dha_train.commands.bench.real import TASKS as REAL_TASKS
+from dha_train.commands.bench.real import RealSettings, run_real_bench
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
 
@@ -92,6 +98,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gqa_memory.add_argument('--tokens', type=int, default=2048, help='tokens of the one-layer forward and backward')
     gqa_memory.add_argument('--out', default=None, help='folder for results.json')
     gqa_memory.set_defaults(func=run_gqa_memory)
+    real = bench.add_parser('real', help='every method on SmolLM2-135M (GQA, imported from the bundled GGUF) at 1/3 '
+                            'and 2/3 of its K+V cache: held-out loss, 6-task accuracy, KV bytes, tokens, wall time')
+    real.add_argument('--out', default='bench_real', help='folder for the imported model, data, stages (reused '
+                      'when run again), results.json and the plots (default: bench_real)')
+    real.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
+                      help='auto: cuda when there is one; the defaults below depend on it')
+    real.add_argument('--tokens', type=int, default=None,
+                      help='training tokens of every method (default: 8,192 on CPU, 6,553,600 on cuda)')
+    real.add_argument('--limit', type=int, default=None,
+                      help='first N documents of each task (default: 10 on CPU, 500 on cuda)')
+    real.add_argument('--seq-len', dest='seq_len', type=int, default=None, help='default 256 on CPU, 512 on cuda')
+    real.add_argument('--batch', type=int, default=None, help='global batch in sequences (default 8 CPU, 32 cuda)')
+    real.add_argument('--microbatch', type=int, default=None, help='device microbatch (default: the batch)')
+    real.add_argument('--val-tokens', dest='val_tokens', type=int, default=None,
+                      help='held-out validation tokens (default 8,192 on CPU, 262,144 on cuda)')
+    real.add_argument('--calib-tokens', dest='calib_tokens', type=int, default=None,
+                      help='calibration tokens of align and the AsymGQA search (default 2,048 CPU, 16,384 cuda)')
+    real.add_argument('--search-batches', dest='search_batches', type=int, default=None,
+                      help='DHA Search batches (default 2 CPU, 40 cuda; not counted as training tokens)')
+    real.add_argument('--asym-iterations', dest='asym_iterations', type=int, default=None,
+                      help='AsymGQA fitness-search iterations per layer, each a forward pass (default 3 CPU, 50 cuda)')
+    real.add_argument('--eval-batch-size', dest='eval_batch_size', type=int, default=None)
+    real.add_argument('--methods', nargs='+', default=list(REAL_METHODS), choices=REAL_METHODS)
+    real.add_argument('--budgets', nargs='+', default=list(REAL_BUDGETS), choices=REAL_BUDGETS,
+                      help='kv1: one K and one V head per layer (1/3 of the source cache); kv2: two thirds')
+    real.add_argument('--tasks', nargs='+', default=list(REAL_TASKS), help='lm-eval tasks (default: %(default)s)')
+    real.add_argument('--include', nargs='*', default=[], help='extra lm-eval task folders')
+    real.add_argument('--source', default='smollm2-135m',
+                      help='a GGUF (path or bundled name) to import, or an HF LLaMA folder (default: smollm2-135m)')
+    real.add_argument('--train-data', dest='train_data', default=None,
+                      help='an existing `dha-train data prep` folder (github + wikipedia train splits, the source\'s '
+                           'tokenizer) instead of the stdlib corpus')
+    real.add_argument('--seed', type=int, default=17)
+    real.set_defaults(func=run_real)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -127,4 +167,15 @@ def run_load(args: argparse.Namespace) -> int:
 
 def run_gqa_memory(args: argparse.Namespace) -> int:
     run_gqa_memory_bench(out=args.out, tokens=args.tokens)
+    return 0
+
+
+def run_real(args: argparse.Namespace) -> int:
+    run_real_bench(RealSettings(
+        out=args.out, device=args.device, tokens=args.tokens, limit=args.limit, seq_len=args.seq_len,
+        batch=args.batch, microbatch=args.microbatch, val_tokens=args.val_tokens, calib_tokens=args.calib_tokens,
+        search_batches=args.search_batches,
+        asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
+        budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,
+        seed=args.seed))
     return 0

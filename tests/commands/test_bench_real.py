@@ -1,0 +1,105 @@
+"""`dha-train bench real` on a tiny GQA LLaMA (9 query heads, 3 K/V heads, like SmolLM2), one training batch per
+method and the offline local task: the rows, the KV budgets and the teacher's accuracy checked independently."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.commands.bench.real import RealSettings, run_real_bench
+from dha_train.harness import LOCAL_TASK, build_local_task
+from dha_train.methods import kv_cache_bytes
+from helpers import SEQ_LEN, write_redpajama_jsonl
+
+QUERY_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 8
+
+
+def _tiny_gqa(path, tokenizer_dir):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=QUERY_HEADS * HEAD_DIM, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=QUERY_HEADS, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=512, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+def _local_task_accuracy(model_dir, task_dir, limit):
+    """stdlib_mc scored by hand: log-likelihood of ' ' + choice after the context (lm-eval's split of the joint
+    encoding), acc and acc_norm (by the choice's characters) over the first ``limit`` documents."""
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    docs = [json.loads(line) for line in (task_dir / 'test.jsonl').read_text().splitlines()][:limit]
+    right = right_norm = 0
+    for doc in docs:
+        scores = []
+        for choice in doc['choices']:
+            context = tokenizer(doc['context'], add_special_tokens=False)['input_ids']
+            whole = tokenizer(doc['context'] + ' ' + choice, add_special_tokens=False)['input_ids']
+            continuation = whole[len(context):]
+            ids = torch.tensor([(context + continuation)[:-1]])
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+            positions = range(len(context) - 1, len(context) - 1 + len(continuation))
+            scores.append(sum(float(logprobs[p, t]) for p, t in zip(positions, continuation)))
+        lengths = np.array([float(len(choice)) for choice in doc['choices']])
+        right += int(np.argmax(scores)) == doc['label']
+        right_norm += int(np.argmax(np.array(scores) / lengths)) == doc['label']
+    return right / len(docs), right_norm / len(docs)
+
+
+@pytest.mark.slow
+def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, data_root):
+    source = _tiny_gqa(tmp_path / 'gqa', tokenizer_dir)
+    raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
+    task = build_local_task(raw, tmp_path / 'task', examples=6, fewshot_examples=2, max_words=120)
+    limit = 6
+    # training data: the session's synthetic github + wikipedia shards; held-out: /usr/share/doc text
+    results = run_real_bench(RealSettings(
+        out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
+        tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=limit, val_tokens=4 * SEQ_LEN, calib_tokens=128,
+        search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)]))
+    rows = {row['label']: row for row in results['rows']}
+    teacher = LlamaConfig.from_pretrained(source)
+    teacher_bytes = kv_cache_bytes(teacher)
+    assert rows['teacher']['kv_bytes'] == teacher_bytes == 2 * 2 * KV_HEADS * HEAD_DIM * 4096 * 2
+
+    # every converted row at its budget of the source's K+V cache; MoH keeps the source's cache
+    expected = {'kv1': teacher_bytes // 3, 'kv2': 2 * teacher_bytes // 3, None: teacher_bytes}
+    for row in results['rows'][1:]:
+        assert row['kv_bytes'] == expected[row['budget']], row['label']
+    methods = {(row['method'], row['budget']) for row in results['rows']}
+    assert methods >= {('mean_pool', 'kv1'), ('mean_pool', 'kv2'), ('aligned_gqa', 'kv1'), ('asym_gqa', 'kv1'),
+                       ('asym_gqa', 'kv2'), ('dha', 'kv1'), ('dha', 'kv2'), ('moh', None)}
+    # aligned GQA needs equal groups: 2 of 3 source heads is skipped, with the reason
+    skipped = [s for s in results['skipped'] if s['method'] == 'aligned_gqa']
+    assert [s['budget'] for s in skipped] == ['kv2'] and 'equal groups' in skipped[0]['reason']
+    # the same training tokens for every trained row (DHA: fusion + CT)
+    budget = results['settings']['training_tokens_per_method']
+    assert budget == 2 * 2 * SEQ_LEN
+    for row in results['rows']:
+        zero_point = row['label'].endswith('@0') or row['method'] == 'teacher'
+        if zero_point:
+            assert row['tokens'] == 0
+        elif not row['label'].endswith('post-fusion'):
+            assert row['tokens'] == budget, row['label']
+    # AsymGQA with one group per layer is the mean-pool model: the row says so and reuses its figures
+    asym1 = rows['AsymGQA kv1 +CT']
+    assert asym1['same_as'] == 'mean-pool kv1 +CT' and asym1['val_loss'] == rows['mean-pool kv1 +CT']['val_loss']
+
+    # the teacher's accuracy, computed independently of lm-eval, on the same first `limit` documents
+    acc, acc_norm = _local_task_accuracy(source, task, limit)
+    assert rows['teacher']['metric'][LOCAL_TASK] == 'acc_norm'
+    assert rows['teacher']['accuracy'][LOCAL_TASK] == pytest.approx(acc_norm)
+    eval_file = next((tmp_path / 'bench' / 'runs').glob('*/eval/*/teacher/eval_results.json'))
+    assert json.loads(eval_file.read_text())['scores'][LOCAL_TASK]['acc'] == pytest.approx(acc)
+
+    saved = json.loads((tmp_path / 'bench' / 'results.json').read_text())
+    assert [row['label'] for row in saved['rows']] == [row['label'] for row in results['rows']]
+    assert saved['data']['heldout']['source'] != saved['data']['train']['source']
+    for name in ('accuracy.png', 'loss.png'):
+        assert (tmp_path / 'bench' / name).read_bytes()[:4] == b'\x89PNG'
