@@ -7,8 +7,10 @@ history, and the readings of that history (validation loss per domain, its mean,
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import time
 from pathlib import Path
 
 from composer.core import Time
@@ -41,6 +43,23 @@ class Stage:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.marker.write_text(json.dumps(result, indent=2))
         return result
+
+    def run(self, build, say) -> dict:
+        """``build(stage_dir)`` once: a finished stage's result is reused; a fresh one records its seconds. ``say``
+        prints progress. Garbage is collected after the build, so a stage's trainer, models and optimizer state go
+        before the next stage builds its own."""
+        name = self.dir.name
+        result = self.done()
+        if result is not None:
+            say(f'{name}: reusing finished stage in {self.dir}')
+            return result
+        say(f'{name}: running')
+        started = time.perf_counter()
+        result = build(self.dir)
+        gc.collect()
+        result['seconds'] = round(time.perf_counter() - started, 1)
+        say(f'{name}: done in {result["seconds"]} s')
+        return self.finish(result)
 
 
 def history_from(logger: InMemoryLogger) -> dict:

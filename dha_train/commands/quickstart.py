@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,17 +64,7 @@ def _say(message: str) -> None:
 
 
 def _run_stage(run: Path, name: str, build) -> dict:
-    stage = Stage(run, name)
-    result = stage.done()
-    if result is not None:
-        _say(f'{name}: reusing finished stage in {stage.dir}')
-        return result
-    _say(f'{name}: running')
-    started = time.perf_counter()
-    result = build(stage.dir)
-    result['seconds'] = round(time.perf_counter() - started, 1)
-    _say(f'{name}: done in {result["seconds"]} s')
-    return stage.finish(result)
+    return Stage(run, name).run(build, _say)
 
 
 def _corpus(out: Path, seed: int) -> dict:

@@ -50,7 +50,6 @@ load, half of it evaluation; less on a quiet machine. ``--limit`` and ``--tokens
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
@@ -174,20 +173,11 @@ def _say(message: str) -> None:
 
 
 def _run_stage(work: Path, name: str, build) -> dict:
-    """Run ``build(stage_dir)`` once: a finished stage (its DONE.json) is reused; records its seconds."""
-    stage = Stage(work, name)
-    result = stage.done()
-    if result is not None:
-        _say(f'{name}: reusing the finished stage')
-        return result
-    _say(f'{name}: running')
-    started = time.perf_counter()
-    stage.dir.mkdir(parents=True, exist_ok=True)
-    result = build(stage.dir)
-    gc.collect()  # the stage's trainer, models and optimizer state go before the next stage builds its own
-    result['seconds'] = round(time.perf_counter() - started, 1)
-    _say(f'{name}: done in {result["seconds"]} s')
-    return stage.finish(result)
+    def build_in_folder(folder: Path) -> dict:  # this bench's stages write into a folder made for them
+        folder.mkdir(parents=True, exist_ok=True)
+        return build(folder)
+
+    return Stage(work, name).run(build_in_folder, _say)
 
 
 # --- source and data ---------------------------------------------------------------------------------------------
