@@ -2,7 +2,8 @@
 
 The source's own K/V heads are the units pooled: a target over a GQA source (e.g. SmolLM2's 3 K/V heads to 1)
 groups whole source heads (``HeadMap.source_partitions``) and each compact head is the mean of its source heads,
-so the K/V weights are never expanded to one head per query head. A map whose groups are equal-size and shared by K and V is first made contiguous by permuting the query heads
+so the K/V weights are never expanded to one head per query head. A map whose groups are equal-size and shared by
+K and V is first made contiguous by permuting the query heads
 (a function-preserving reorder), so it exports as a standard HF LLaMA with ``num_key_value_heads``; any other map
 becomes a ``DhaLlamaForCausalLM`` folder (with its modeling file, loadable with ``trust_remote_code=True``).
 """
@@ -40,12 +41,6 @@ def source_order(source: HeadMap, query_order: list[list[int]]) -> list[list[int
     return orders
 
 
-def budget_line(head_map: HeadMap, source: HeadMap) -> str:
-    """The KV budget against the source's cache and against MHA's (the unit every method's rows compare in)."""
-    return (f'{head_map.kv_budget_fraction_of(source):.1%} of the source KV cache, '
-            f'{head_map.kv_budget_fraction():.1%} of MHA\'s')
-
-
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: HeadMap, *,
                        overwrite: bool = False) -> Path:
     """Mean-pool the K/V heads of an MHA or GQA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
@@ -67,8 +62,10 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
         state = permute_llama_state_dict(state, order, head_map.head_dim, kv_orders=source_order(source, order))
         source = source.permuted(order)
     key_partitions, value_partitions = head_map.source_partitions(source)
-    state = mean_pool_llama_state_dict(state, [list(partition_to_assignment(p, sum(map(len, p)))) for p in key_partitions],
-                                       [list(partition_to_assignment(p, sum(map(len, p)))) for p in value_partitions], head_map.head_dim)
+    def as_maps(partitions):  # groups of source heads -> each source head's compact head
+        return [partition_to_assignment(p, sum(map(len, p))).tolist() for p in partitions]
+
+    state = mean_pool_llama_state_dict(state, as_maps(key_partitions), as_maps(value_partitions), head_map.head_dim)
     settings = config.to_diff_dict()
     if contiguous is not None:
         config.num_key_value_heads = head_map.uniform_gqa_groups()
@@ -92,16 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('out_dir')
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument('--head-map', default=None, help='a head_map.json')
-    target.add_argument('--kv-heads', type=int, default=None, help='this many K/V heads per layer, each the mean of a contiguous run of the source\'s K/V heads (standard GQA when it divides them)')
+    target.add_argument('--kv-heads', type=int, default=None,
+                        help='this many K/V heads per layer, each the mean of a contiguous run of the source\'s '
+                             'K/V heads (standard GQA when it divides them)')
     parser.add_argument('--overwrite', action='store_true')
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True) \
-        if (Path(args.model_dir) / 'config.json').is_file() else None
-    if config is None:
+    if not (Path(args.model_dir) / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {args.model_dir}')
+    config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
     source = source_head_map(config, 'convert')
     if args.head_map is not None:
         head_map = HeadMap.load(args.head_map)
@@ -112,5 +110,5 @@ def run(args: argparse.Namespace) -> int:
             raise HeadMapError(f'--kv-heads {args.kv_heads}: {exc}') from exc
     out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
     print(f'dha-train convert: wrote {out} (K/V heads per layer {head_map.kv_heads()[0]}'
-          f'{"" if len(set(head_map.kv_heads())) == 1 else " (varies by layer)"}; {budget_line(head_map, source)})')
+          f'{"" if len(set(head_map.kv_heads())) == 1 else " (varies by layer)"}; {head_map.budget_text(source)})')
     return 0

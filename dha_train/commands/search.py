@@ -378,6 +378,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
         report['layers'].append(entry)
     report['kv_budget_fraction'] = head_map.kv_budget_fraction()
     report['kv_budget_fraction_of_source'] = head_map.kv_budget_fraction_of(source)
+    report['source_head_map'] = source.to_dict()
     report['kv_heads_total'] = sum(k + v for k, v in head_map.kv_heads())
     timings['total_s'] = time.perf_counter() - started
     report['timings'] = timings
@@ -448,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_search(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     counts = result.head_map.kv_heads()
     print(f'dha-train search: wrote {args.out_dir} ({settings.method}: '
-          f'{result.report["kv_heads_total"]} K+V heads, {result.report["kv_budget_fraction_of_source"]:.1%} of the '
-          f'source KV cache, {result.head_map.kv_budget_fraction():.1%} of MHA\'s; '
+          f'{result.report["kv_heads_total"]} K+V heads, '
+          f'{result.head_map.budget_text(HeadMap.from_dict(result.report["source_head_map"]))}; '
           f'K per layer {[k for k, _ in counts]}, V per layer {[v for _, v in counts]})')
     return 0

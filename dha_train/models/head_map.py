@@ -224,6 +224,11 @@ class HeadMap:
         """Compact KV heads as a fraction of ``source``'s (1/3 for one K and one V head from SmolLM2's 3)."""
         return sum(k + v for k, v in self.kv_heads()) / sum(k + v for k, v in source.kv_heads())
 
+    def budget_text(self, source: HeadMap) -> str:
+        """The KV budget against the source's cache and against MHA's, as the commands print it."""
+        return (f'{self.kv_budget_fraction_of(source):.1%} of the source KV cache, '
+                f'{self.kv_budget_fraction():.1%} of MHA\'s')
+
     # --- properties ---------------------------------------------------------------------------------------------
 
     @property
