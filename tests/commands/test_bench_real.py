@@ -53,8 +53,6 @@ def _local_task_accuracy(model_dir, task_dir, limit):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason='failed in the 2026-11-25 fresh-clone CI run after writing only the MQA rows (it passes in '
-                  'the working tree); skipped until the cause is found, see the issue 18 note')
 def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, data_root):
     source = _tiny_gqa(tmp_path / 'gqa', tokenizer_dir)
     raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
