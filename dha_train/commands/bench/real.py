@@ -38,8 +38,8 @@ training seconds up to the point, and the evaluation's seconds apart).
 Writes ``results.json``, ``accuracy.png`` / ``loss.png`` (against training tokens, one line per method and
 budget, the teacher as a reference line) and prints the table.
 
-Defaults (``--device auto`` picks cuda when there is one): on CPU 8,192 training tokens per method (4 batches of
-8 x 256), ``--limit 10``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
+Defaults (``--device auto`` picks cuda when there is one): on CPU 32,768 training tokens per method (16 batches of
+8 x 256), ``--limit 50``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
 256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
 Search 40 batches, 50 iterations. Measured on the 2-core machine under a load average of 7-9 (other jobs;
 2026-11-25): a training batch of 8 x 256 tokens 43-51 s; one row's evaluation at ``--limit 20`` with 8,192 held-out
@@ -126,7 +126,7 @@ class RealSettings:
 
 # Defaults per device: the CPU setting fits about an hour on the 2-core CI machine; the GPU one is a larger run.
 _DEFAULTS = {
-    'cpu': dict(tokens=4 * 8 * 256, limit=10, seq_len=256, batch=8, microbatch=8, val_tokens=32 * 256,
+    'cpu': dict(tokens=16 * 8 * 256, limit=50, seq_len=256, batch=8, microbatch=8, val_tokens=32 * 256,
                 calib_tokens=2048, search_batches=2, asym_iterations=3, eval_batch_size=16,
                 corpus_bytes=4_000_000),
     'cuda': dict(tokens=400 * 32 * 512, limit=500, seq_len=512, batch=32, microbatch=32, val_tokens=512 * 512,
