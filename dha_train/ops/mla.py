@@ -1,0 +1,201 @@
+"""Conversion of MHA/GQA attention to multi-head latent attention (MLA): the maths, no modules.
+
+The method follows MHA2MLA (Ji et al., ACL 2025, arXiv 2502.14837), with the activation-aware factorisation of
+CARE and the K/V balance of TransMLA (arXiv 2502.07864):
+
+1. **Partial RoPE.** LLaMA's RoPE (``rotate_half``) turns dimension ``i`` together with ``i + d/2`` at the frequency
+   ``base ** (-2i / d)``, ``i < d/2``: call that a *pair*. Per K/V head, ``r`` pairs stay rotated and are cached as
+   they are; the others become position-free. MHA2MLA's 2-norm criterion keeps the pairs that contribute most to
+   the attention scores: pair ``i`` of K/V head ``g`` scores ``sum over the query heads h that read g of
+   mean_t |q_{h,i}(t)| * mean_t |k_{g,i}(t)|``, with ``|.|`` the 2-norm of the pair. RoPE rotates inside each pair,
+   so the scores are the same before and after it and are taken from the un-rotated projections. ``uniform`` (pairs
+   evenly spread over the frequencies) and ``high_frequency`` (the first ``r`` pairs) are the position-only choices.
+2. **Joint latent.** The position-free key rows and all value rows of a layer, ``W`` (m x hidden), are factored as
+   ``up @ down`` with ``down`` (rank x hidden): the cache holds ``down @ x`` (``rank`` numbers per token) plus the
+   kept rotated key dimensions. ``latent_factors`` minimises ``E ||(W - up @ down) x||^2`` over the calibration
+   inputs (covariance ``C = E[x x^T]``): with ``U_r`` the top eigenvectors of ``W C W^T``, ``up = U_r`` and
+   ``down = U_r^T W`` (the optimal rank-r approximation of ``W C^(1/2)`` is ``U_r U_r^T W C^(1/2)``, Eckart-Young).
+   Without a covariance (``C = I``) this is plain weight SVD. Keys and values can be balanced first (rows scaled so
+   both carry the same energy under ``C``; the scale is undone in ``up``), so neither dominates the latent.
+3. **Ranks per layer.** ``allocate_latent_ranks`` splits a total latent size over the layers from each layer's
+   spectrum (the relative energy a rank leaves out) with the same knapsack as the DHA Search's K/V budget
+   (``ops.budget.allocate_slots``); a uniform rank is the alternative.
+
+Weights use the nn.Linear layout of ``ops.heads``: k_proj/v_proj are (kv_heads * head_dim, hidden).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dha_train.ops.budget import allocate_slots
+
+PAIR_CRITERIA = ('norm', 'uniform', 'high_frequency')
+
+
+def pair_norms(states: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(heads, head_dim / 2): the mean over tokens of each RoPE pair's 2-norm. ``states`` is (tokens, heads *
+    head_dim), one projection's outputs (queries or keys), rotated or not."""
+    if head_dim % 2:
+        raise ValueError(f'RoPE needs an even head_dim, got {head_dim}')
+    if states.ndim != 2 or states.shape[1] % head_dim:
+        raise ValueError(f'states must be (tokens, heads * {head_dim}), got {tuple(states.shape)}')
+    half = head_dim // 2
+    heads = states.reshape(states.shape[0], -1, 2, half)  # (tokens, heads, [first, second half], pair)
+    return heads.double().pow(2).sum(dim=2).sqrt().mean(dim=0)
+
+
+def rope_pair_scores(query_states: torch.Tensor, key_states: torch.Tensor, head_dim: int,
+                     query_to_kv: Sequence[int]) -> torch.Tensor:
+    """(kv_heads, head_dim / 2): MHA2MLA's 2-norm score of every pair of every K/V head, summed over the query heads
+    that read it (``query_to_kv[h]`` is the K/V head of query head h; MHA: the identity)."""
+    query_norms = pair_norms(query_states, head_dim)
+    key_norms = pair_norms(key_states, head_dim)
+    if query_norms.shape[0] != len(query_to_kv):
+        raise ValueError(f'{query_norms.shape[0]} query heads but query_to_kv has {len(query_to_kv)} entries')
+    index = torch.as_tensor(list(query_to_kv), dtype=torch.long)
+    if int(index.max()) >= key_norms.shape[0] or int(index.min()) < 0:
+        raise ValueError(f'query_to_kv names K/V heads outside 0..{key_norms.shape[0] - 1}')
+    summed = torch.zeros_like(key_norms).index_add_(0, index, query_norms)
+    return summed * key_norms
+
+
+def kept_rope_pairs(num_kv_heads: int, head_dim: int, pairs: int, criterion: str = 'norm',
+                    scores: torch.Tensor | None = None) -> torch.Tensor:
+    """(kv_heads, pairs) long: the RoPE pairs each K/V head keeps rotated, increasing. ``norm`` takes the ``pairs``
+    highest ``scores`` (``rope_pair_scores``); ``uniform`` spreads them evenly over the frequencies (pair
+    ``floor(j * half / pairs)``); ``high_frequency`` keeps pairs 0..pairs-1."""
+    half = head_dim // 2
+    if not 0 <= pairs <= half:
+        raise ValueError(f'pairs kept must be within 0..{half} (head_dim {head_dim}), got {pairs}')
+    if criterion not in PAIR_CRITERIA:
+        raise ValueError(f'criterion must be one of {", ".join(PAIR_CRITERIA)}, got {criterion!r}')
+    if criterion == 'norm':
+        if scores is None or tuple(scores.shape) != (num_kv_heads, half):
+            raise ValueError(f'criterion norm needs scores of shape ({num_kv_heads}, {half}), got '
+                             f'{None if scores is None else tuple(scores.shape)}')
+        # stable: equal scores keep the lower (higher-frequency) pair
+        order = torch.sort(-scores.double(), dim=1, stable=True).indices[:, :pairs]
+        return order.sort(dim=1).values
+    if criterion == 'uniform':
+        row = torch.tensor([j * half // pairs for j in range(pairs)], dtype=torch.long)
+    else:
+        row = torch.arange(pairs, dtype=torch.long)
+    return row.expand(num_kv_heads, pairs).clone()
+
+
+def rope_dims(kept_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(kv_heads, 2 * pairs): the head dimensions of the kept pairs, first halves then second halves, the order in
+    which the rotated key part is stored (so ``rotate_half`` on it pairs them again)."""
+    return torch.cat([kept_pairs, kept_pairs + head_dim // 2], dim=1)
+
+
+def nope_dims(kept_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(kv_heads, head_dim - 2 * pairs): the position-free dimensions of each head, increasing."""
+    keep = torch.zeros(kept_pairs.shape[0], head_dim, dtype=torch.bool)
+    keep.scatter_(1, rope_dims(kept_pairs, head_dim), True)
+    return torch.stack([torch.nonzero(~row).flatten() for row in keep])
+
+
+def head_rows(dims: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Flat row indices into a (heads * head_dim, ...) projection for per-head dimension lists (heads, n)."""
+    offsets = torch.arange(dims.shape[0], dtype=torch.long).unsqueeze(1) * head_dim
+    return (dims + offsets).flatten()
+
+
+def balance_scales(key_rows: torch.Tensor, value_rows: torch.Tensor,
+                   covariance: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row scales of ``[key_rows; value_rows]`` that give the keys the values' energy under ``covariance``
+    (``trace(W C W^T)``; C = I without one): keys scaled by ``sqrt(E_v / E_k)``, values by 1 (TransMLA's K/V
+    balance before the joint factorisation)."""
+    key_energy = _energy(key_rows, covariance)
+    value_energy = _energy(value_rows, covariance)
+    if key_energy <= 0 or value_energy <= 0:
+        raise ValueError('cannot balance a key or value block with no energy')
+    key_scale = (value_energy / key_energy).sqrt()
+    return torch.cat([key_scale.expand(key_rows.shape[0]), torch.ones(value_rows.shape[0], dtype=torch.float64)])
+
+
+def _energy(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor:
+    rows = rows.double()
+    if covariance is None:
+        return rows.pow(2).sum()
+    return torch.einsum('ij,jk,ik->', rows, covariance.double(), rows)
+
+
+def latent_spectrum(weight: torch.Tensor, covariance: torch.Tensor | None = None,
+                    row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eigenvalues descending, eigenvectors as columns) of ``S W C W^T S`` in float64: the energy each latent
+    direction carries; ``S = diag(row_scale)`` (1 without one), ``C = I`` without a covariance."""
+    scaled = weight.double() if row_scale is None else weight.double() * row_scale.double().unsqueeze(1)
+    if covariance is None:
+        gram = scaled @ scaled.T
+    else:
+        if tuple(covariance.shape) != (weight.shape[1], weight.shape[1]):
+            raise ValueError(f'covariance must be ({weight.shape[1]}, {weight.shape[1]}), got {tuple(covariance.shape)}')
+        gram = scaled @ covariance.double() @ scaled.T
+    values, vectors = torch.linalg.eigh((gram + gram.T) / 2)
+    return values.flip(0).clamp_min(0.0), vectors.flip(1)
+
+
+def latent_factors(weight: torch.Tensor, rank: int, covariance: torch.Tensor | None = None,
+                   row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up (m x rank), down (rank x n)) in float64 with ``up @ down`` the rank-``rank`` approximation of ``weight``
+    (m x n) that minimises ``E ||S (W - up @ down) x||^2`` for inputs of covariance ``C``: ``down = U_r^T S W`` and
+    ``up = S^-1 U_r``. Exact (to float64 rounding) at rank m."""
+    if not 1 <= rank <= weight.shape[0]:
+        raise ValueError(f'rank must be within 1..{weight.shape[0]}, got {rank}')
+    _, vectors = latent_spectrum(weight, covariance, row_scale)
+    basis = vectors[:, :rank]
+    scale = torch.ones(weight.shape[0], dtype=torch.float64) if row_scale is None else row_scale.double()
+    down = basis.T @ (weight.double() * scale.unsqueeze(1))
+    up = basis / scale.unsqueeze(1)
+    return up, down
+
+
+def left_out_energy(spectrum: torch.Tensor, rank: int) -> float:
+    """The fraction of a layer's energy a rank-``rank`` latent leaves out: sum of the eigenvalues past ``rank`` over
+    their total (0 at full rank; comparable across layers of different scale)."""
+    total = float(spectrum.sum())
+    return float(spectrum[rank:].sum()) / total if total > 0 else 0.0
+
+
+def allocate_latent_ranks(spectra: Sequence[torch.Tensor], total_rank: int, step: int = 1,
+                          min_rank: int | None = None) -> list[int]:
+    """A latent rank per layer, each a multiple of ``step`` between ``min_rank`` (default ``step``) and the layer's
+    size, summing exactly to ``total_rank``, that leaves out the least summed relative energy
+    (``left_out_energy``): the knapsack of ``ops.budget.allocate_slots``."""
+    if step < 1:
+        raise ValueError(f'step must be >= 1, got {step}')
+    lowest = step if min_rank is None else min_rank
+    if lowest < 1 or lowest % step:
+        raise ValueError(f'min_rank must be a positive multiple of step {step}, got {lowest}')
+    sizes = [int(spectrum.shape[0]) for spectrum in spectra]
+    if total_rank % step:
+        raise ValueError(f'total_rank {total_rank} is not a multiple of step {step}')
+    counts = list(range(lowest // step, max(sizes) // step + 1))
+    if not counts:
+        raise ValueError(f'no rank between {lowest} and the layer sizes {sizes} is a multiple of {step}')
+    reachable = (len(spectra) * lowest, sum(size // step * step for size in sizes))
+    if not reachable[0] <= total_rank <= reachable[1]:
+        raise ValueError(f'total_rank {total_rank} is out of reach: ranks over {len(spectra)} layers sum to '
+                         f'{reachable[0]}..{reachable[1]}')
+
+    def cost(layer: int, units: int) -> float:
+        rank = units * step
+        return float('inf') if rank > sizes[layer] else left_out_energy(spectra[layer], rank)
+
+    picked = allocate_slots(cost, len(spectra), counts, total_rank // step, what=lambda layer: f'layer={layer}')
+    if picked is None:
+        raise ValueError(f'total_rank {total_rank} cannot be split into multiples of {step} within the layer sizes')
+    return [units * step for units in picked]
+
+
+def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_kv_heads: int) -> int:
+    """Numbers an MLA model caches per token over all layers: each layer's latent rank plus the rotated key part
+    (``2 * pairs`` dimensions for each of its K/V heads)."""
+    if len(ranks) != len(kept_pairs):
+        raise ValueError(f'{len(ranks)} ranks for {len(kept_pairs)} layers of kept pairs')
+    return sum(int(rank) + 2 * int(pairs) * num_kv_heads for rank, pairs in zip(ranks, kept_pairs))
