@@ -199,3 +199,26 @@ def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_
     if len(ranks) != len(kept_pairs):
         raise ValueError(f'{len(ranks)} ranks for {len(kept_pairs)} layers of kept pairs')
     return sum(int(rank) + 2 * int(pairs) * num_kv_heads for rank, pairs in zip(ranks, kept_pairs))
+
+
+def mla_layer_weights(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
+                      rank: int, covariance: torch.Tensor | None = None, balance: bool = False,
+                      k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One layer's MLA projections from its k_proj/v_proj (kv_heads * head_dim rows): ``k_rope_proj`` (the kept
+    pairs' key rows, first halves then second halves per head), ``kv_down_proj`` (rank x hidden) and ``kv_up_proj``
+    (per head the position-free key dims, then per head the value dims; x rank), in float64. Biases, when given, go
+    to ``k_rope_proj`` and ``kv_up_proj`` exactly (the latent factors only the weights)."""
+    rope_rows = head_rows(rope_dims(kept_pairs, head_dim), head_dim)
+    nope_rows = head_rows(nope_dims(kept_pairs, head_dim), head_dim)
+    key_nope = k_weight.double()[nope_rows]
+    joint = torch.cat([key_nope, v_weight.double()])
+    scales = balance_scales(key_nope, v_weight, covariance) if balance and key_nope.shape[0] else None
+    up, down = latent_factors(joint, rank, covariance, scales)
+    weights = {'k_rope_proj.weight': k_weight.double()[rope_rows], 'kv_down_proj.weight': down,
+               'kv_up_proj.weight': up}
+    if (k_bias is None) != (v_bias is None):
+        raise ValueError('k_bias and v_bias must be given together')
+    if k_bias is not None:
+        weights['k_rope_proj.bias'] = k_bias.double()[rope_rows]
+        weights['kv_up_proj.bias'] = torch.cat([k_bias.double()[nope_rows], v_bias.double()])
+    return weights

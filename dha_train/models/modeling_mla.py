@@ -1,0 +1,296 @@
+"""Multi-head latent attention (MLA) LLaMA for HF transformers, converted from an MHA or GQA LLaMA.
+
+Per layer, each K/V head keeps some RoPE pairs rotated (pair ``i`` is dimensions ``i`` and ``i + d/2``, LLaMA's
+``rotate_half`` layout); the rest of the key and all of the value come from one latent per token:
+
+    c = kv_down_proj(x)                          # (rank,)       cached
+    k_rope = RoPE(k_rope_proj(x))                # (kv_heads, 2 * pairs), cached
+    [k_nope; v] = kv_up_proj(c)                  # per K/V head: the position-free key dims, then the value
+
+A query head scores a key by ``q_nope . k_nope + RoPE(q_rope) . k_rope``, its dimensions split the same way as its
+K/V head's. The cache (transformers' own ``DynamicCache``) holds only ``c`` and ``k_rope``: ``rank + kv_heads * 2 *
+pairs`` numbers per token and layer.
+
+- Training and prefill expand ``c`` to keys and values and call the standard attention kernels (eager, SDPA,
+  flash-attention-2) with the source's scaling.
+- Decode (one new token, a cache, eval mode) absorbs the up-projection: keys into the query
+  (``q_nope @ U_k`` scores against ``c`` directly) and values into the output (``(attn @ c) @ U_v^T``), so a step
+  reads only the latent cache.
+
+With every pair kept and the full rank it is the source model. The file is self-contained (torch and transformers
+only) so an exported folder loads with ``trust_remote_code=True`` where dha_train is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+
+class MlaLlamaConfig(LlamaConfig):
+    """A ``LlamaConfig`` plus the latent layout.
+
+    ``mla_ranks``: the latent rank of every layer. ``mla_rope_pairs``: per layer, per K/V head, the RoPE pairs kept
+    rotated (increasing; every head of a layer keeps as many).
+    """
+
+    model_type = "mla_llama"
+
+    def __init__(self, mla_ranks: Optional[list[int]] = None, mla_rope_pairs: Optional[list[list[list[int]]]] = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.mla_ranks = mla_ranks
+        self.mla_rope_pairs = mla_rope_pairs
+        if mla_ranks is not None or mla_rope_pairs is not None:
+            self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        layers, kv_heads, head_dim = self.num_hidden_layers, self.num_key_value_heads, self.head_dim
+        ranks, pairs = self.mla_ranks, self.mla_rope_pairs
+        if not isinstance(ranks, list) or len(ranks) != layers:
+            raise ValueError(f"MlaLlamaConfig.mla_ranks must list {layers} layer ranks, got {ranks!r}")
+        if not isinstance(pairs, list) or len(pairs) != layers:
+            raise ValueError(f"MlaLlamaConfig.mla_rope_pairs must list {layers} layers, got {pairs!r}")
+        for index, (rank, layer) in enumerate(zip(ranks, pairs)):
+            if not isinstance(layer, list) or len(layer) != kv_heads:
+                raise ValueError(f"MlaLlamaConfig.mla_rope_pairs layer {index}: expected {kv_heads} K/V heads, "
+                                 f"got {layer!r}")
+            counts = {len(head) for head in layer}
+            if len(counts) != 1:
+                raise ValueError(f"MlaLlamaConfig.mla_rope_pairs layer {index}: every head must keep as many "
+                                 f"pairs, got {sorted(counts)}")
+            for head in layer:
+                if sorted(set(head)) != list(head) or any(not 0 <= p < head_dim // 2 for p in head):
+                    raise ValueError(f"MlaLlamaConfig.mla_rope_pairs layer {index}: pairs must be increasing and "
+                                     f"within 0..{head_dim // 2 - 1}, got {head}")
+            latent_size = kv_heads * (head_dim - 2 * counts.pop()) + kv_heads * head_dim
+            if not isinstance(rank, int) or not 1 <= rank <= latent_size:
+                raise ValueError(f"MlaLlamaConfig.mla_ranks layer {index}: rank must be within 1..{latent_size} "
+                                 f"(position-free key and value dims), got {rank!r}")
+
+    def layer_layout(self, layer_idx: int) -> tuple[int, list[list[int]]]:
+        """(rank, kept pairs per K/V head) of one layer."""
+        return int(self.mla_ranks[layer_idx]), [[int(p) for p in head] for head in self.mla_rope_pairs[layer_idx]]
+
+
+def _dims(pairs: list[list[int]], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated dims (kv_heads, 2p): kept pairs' first then second halves; position-free dims (kv_heads, d - 2p))."""
+    half, width = head_dim // 2, 2 * len(pairs[0])
+    rope = torch.tensor([head + [p + half for p in head] for head in pairs], dtype=torch.long)
+    nope = torch.tensor([[dim for dim in range(head_dim) if dim not in set(row)] for row in rope.tolist()],
+                        dtype=torch.long)
+    return rope.view(len(pairs), width), nope.view(len(pairs), head_dim - width)
+
+
+class MlaLlamaAttention(nn.Module):
+    """LLaMA attention with a joint K/V latent and partial RoPE (see the module docstring)."""
+
+    def __init__(self, config: MlaLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        self.rank, pairs = config.layer_layout(layer_idx)
+        self.rope_width = 2 * len(pairs[0])
+        self.nope_width = self.head_dim - self.rope_width
+        self._register_dims(pairs)
+
+        bias = config.attention_bias
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_rope_proj = nn.Linear(hidden, self.num_kv_heads * self.rope_width, bias=bias)
+        self.kv_down_proj = nn.Linear(hidden, self.rank, bias=False)
+        self.kv_up_proj = nn.Linear(self.rank, self.num_kv_heads * (self.nope_width + self.head_dim), bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def _register_dims(self, pairs: list[list[int]]) -> None:
+        rope, nope = _dims(pairs, self.head_dim)
+        kv_of_query = torch.arange(self.num_heads) // self.num_key_value_groups
+        # Not persistent: the layout lives in the config; each query head reads its K/V head's split.
+        self.register_buffer("query_rope_dims", rope[kv_of_query], persistent=False)
+        self.register_buffer("query_nope_dims", nope[kv_of_query], persistent=False)
+        self.register_buffer("key_rope_dims", rope, persistent=False)
+
+    def reset_dims(self) -> None:
+        """Refill the layout buffers from the config (``_init_weights`` calls this)."""
+        rope, nope = _dims(self.config.layer_layout(self.layer_idx)[1], self.head_dim)
+        kv_of_query = torch.arange(self.num_heads, device=rope.device) // self.num_key_value_groups
+        self.query_rope_dims.copy_(rope[kv_of_query])
+        self.query_nope_dims.copy_(nope[kv_of_query])
+        self.key_rope_dims.copy_(rope)
+
+    @staticmethod
+    def _rotate(states: torch.Tensor, dims: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on (B, heads, T, 2p) states whose columns are head dims ``dims`` (heads, 2p); cos/sin (B, T, d)."""
+        if states.shape[-1] == 0:
+            return states
+        cos = cos[:, None, :, :].expand(-1, dims.shape[0], -1, -1)
+        sin = sin[:, None, :, :].expand(-1, dims.shape[0], -1, -1)
+        index = dims[None, :, None, :].expand(cos.shape[0], -1, cos.shape[2], -1)
+        cos, sin = cos.gather(-1, index), sin.gather(-1, index)
+        return states * cos + rotate_half(states) * sin
+
+    def _split_up(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """kv_up_proj as (U_k (kv_heads, nope, rank), U_v (kv_heads, d, rank), key bias, value bias)."""
+        key_rows = self.num_kv_heads * self.nope_width
+        weight, bias = self.kv_up_proj.weight, self.kv_up_proj.bias
+        up_key = weight[:key_rows].reshape(self.num_kv_heads, self.nope_width, self.rank)
+        up_value = weight[key_rows:].reshape(self.num_kv_heads, self.head_dim, self.rank)
+        if bias is None:
+            return up_key, up_value, None, None
+        return (up_key, up_value, bias[:key_rows].reshape(self.num_kv_heads, self.nope_width),
+                bias[key_rows:].reshape(self.num_kv_heads, self.head_dim))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        past_key_values: Optional[Cache] = None,
+        cache_position: Optional[torch.LongTensor] = None,
+        past_key_value: Optional[Cache] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # transformers 4.5x's decoder layer passes the cache as ``past_key_value``, 5.x's as ``past_key_values``.
+        cache = past_key_values if past_key_values is not None else past_key_value
+        batch, length = hidden_states.shape[:2]
+        cos, sin = position_embeddings
+
+        query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        gather_query = lambda dims: query.gather(-1, dims[None, :, None, :].expand(batch, -1, length, -1))  # noqa: E731
+        query_rope = self._rotate(gather_query(self.query_rope_dims), self.query_rope_dims, cos, sin)
+        query_nope = gather_query(self.query_nope_dims)
+
+        latent = self.kv_down_proj(hidden_states).unsqueeze(1)                                  # (B, 1, T, rank)
+        key_rope = self.k_rope_proj(hidden_states).view(batch, length, self.num_kv_heads, self.rope_width)
+        key_rope = self._rotate(key_rope.transpose(1, 2), self.key_rope_dims, cos, sin)       # (B, G, T, 2p)
+
+        if cache is not None and self.layer_idx == 0 and getattr(cache, "is_compileable", False):
+            raise ValueError("MLA layers cache a latent, which a preallocated (static) cache for keys and values "
+                             "cannot hold: generate with the default dynamic cache")
+        if cache is not None:
+            # transformers' cache stores the latent in its key slot and the rotated key part in its value slot.
+            latent, key_rope = cache.update(latent, key_rope, self.layer_idx, {"cache_position": cache_position})
+
+        if cache is not None and length == 1 and not self.training:
+            return self._absorbed_decode(query_nope, query_rope, latent, key_rope, attention_mask)
+
+        up = self.kv_up_proj(latent.squeeze(1))                                               # (B, S, G*(n+d))
+        key_rows = self.num_kv_heads * self.nope_width
+        source_length = up.shape[1]
+        key_nope = up[..., :key_rows].view(batch, source_length, self.num_kv_heads, self.nope_width).transpose(1, 2)
+        value = up[..., key_rows:].view(batch, source_length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # The dot product splits over the two parts, so [nope | rope] on both sides scores like the split.
+        query_states = torch.cat([query_nope, query_rope], dim=-1)
+        key_states = torch.cat([key_nope, key_rope], dim=-1)
+
+        attention_interface: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(batch, length, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def _absorbed_decode(self, query_nope, query_rope, latent, key_rope, attention_mask):
+        """One decode step against the latent cache: U_k absorbed into the query, U_v into the output."""
+        batch = query_nope.shape[0]
+        up_key, up_value, key_bias, value_bias = self._split_up()
+        group = self.num_key_value_groups
+        # (B, H, 1, n) x (H, n, rank) -> (B, H, 1, rank): each query head through its K/V head's key up-projection
+        query_latent = torch.einsum("bhqn,hnr->bhqr", query_nope, up_key.repeat_interleave(group, dim=0))
+        scores = torch.matmul(query_latent, latent.transpose(2, 3))                       # (B, H, 1, S)
+        key_rope = key_rope.repeat_interleave(group, dim=1)
+        scores = scores + torch.matmul(query_rope, key_rope.transpose(2, 3))
+        if key_bias is not None:  # a constant per query: kept so the weights equal the expanded path's
+            scores = scores + torch.einsum("bhqn,hn->bhq", query_nope,
+                                           key_bias.repeat_interleave(group, dim=0)).unsqueeze(-1)
+        scores = scores * self.scaling
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, : scores.shape[-1]]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query_nope.dtype)
+        mixed = torch.matmul(weights, latent)                                                 # (B, H, 1, rank)
+        output = torch.einsum("bhqr,hdr->bhqd", mixed, up_value.repeat_interleave(group, dim=0))
+        if value_bias is not None:  # the weights sum to 1
+            output = output + value_bias.repeat_interleave(group, dim=0)[None, :, None, :]
+        output = output.transpose(1, 2).reshape(batch, 1, -1).contiguous()
+        return self.o_proj(output), weights
+
+
+class MlaLlamaDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: MlaLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = MlaLlamaAttention(config=config, layer_idx=layer_idx)
+
+
+class MlaLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = MlaLlamaConfig
+    _no_split_modules = ["MlaLlamaDecoderLayer"]
+    _supports_static_cache = False
+    _can_record_outputs = {"hidden_states": LlamaDecoderLayer, "attentions": MlaLlamaAttention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # transformers 5.x builds the model on the meta device and leaves non-persistent buffers empty until here.
+        if isinstance(module, MlaLlamaAttention):
+            module.reset_dims()
+
+
+class MlaLlamaModel(MlaLlamaPreTrainedModel, LlamaModel):
+    def __init__(self, config: MlaLlamaConfig):
+        # LlamaModel.__init__ would first build MHA-shaped layers; build the MLA ones directly.
+        LlamaPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [MlaLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+class MlaLlamaForCausalLM(MlaLlamaPreTrainedModel, LlamaForCausalLM):
+    def __init__(self, config: MlaLlamaConfig):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.model = MlaLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+# save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
+MlaLlamaConfig.register_for_auto_class()
+MlaLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+def register_auto_classes() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``mla_llama`` folders without ``trust_remote_code``."""
+    AutoConfig.register(MlaLlamaConfig.model_type, MlaLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MlaLlamaConfig, MlaLlamaForCausalLM, exist_ok=True)
