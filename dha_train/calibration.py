@@ -1,7 +1,8 @@
 """Calibration: run a LLaMA model over N tokens and keep, per layer, what the head searches need.
 
 For each layer and each recorded kind (``key``: k_proj output before RoPE, ``value``: v_proj output, ``output``:
-the per-head attention output entering o_proj) it accumulates a ``RunningGram`` (sum of x x^T over tokens, the sum of
+the per-head attention output entering o_proj, ``query``: q_proj output before RoPE, ``input``: the normed hidden
+state entering the K/V projections, one "head" of the hidden size) it accumulates a ``RunningGram`` (sum of x x^T over tokens, the sum of
 x and the count; every cross-covariance between two heads is a block of it) and, optionally, a uniform random sample
 of token rows for the measures that are quadratic in tokens (AsymGQA Eq. 1). Memory is bounded by the layer widths
 and the sample size, never by N. The same tokens are sampled for every layer and kind.
@@ -24,8 +25,9 @@ from dha_train.models.head_map import source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.similarity import RunningGram
 
-KINDS = ('key', 'value', 'output')
-_PROJECTION = {'key': 'k_proj', 'value': 'v_proj', 'output': 'o_proj'}
+KINDS = ('key', 'value', 'output', 'query', 'input')
+_PROJECTION = {'key': 'k_proj', 'value': 'v_proj', 'output': 'o_proj', 'query': 'q_proj', 'input': 'k_proj'}
+_FROM_INPUT = ('output', 'input')  # recorded from the projection's input, not its output
 CALIBRATION_FILE = 'calibration.pt'
 
 
@@ -116,9 +118,10 @@ class _Recorder:
             layer = {}
             for kind in self.kinds:
                 projection = getattr(attn, _PROJECTION[kind])
-                width = projection.in_features if kind == 'output' else projection.out_features
+                width = projection.in_features if kind in _FROM_INPUT else projection.out_features
                 device = projection.weight.device
-                layer[kind] = KindStats(width // self.head_dim, RunningGram(width, device=device),
+                heads = 1 if kind == 'input' else width // self.head_dim
+                layer[kind] = KindStats(heads, RunningGram(width, device=device),
                                         unit=RunningGram(width, device=device) if unit_rows else None)
             self.stats.append(layer)
         self.handles: list = []
@@ -127,7 +130,7 @@ class _Recorder:
         for layer, attn in enumerate(self.attention):
             for kind in self.kinds:
                 projection = getattr(attn, _PROJECTION[kind])
-                if kind == 'output':
+                if kind in _FROM_INPUT:
                     hook = projection.register_forward_pre_hook(self._hook(layer, kind, from_input=True))
                 else:
                     hook = projection.register_forward_hook(self._hook(layer, kind, from_input=False))

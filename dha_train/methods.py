@@ -30,6 +30,7 @@ from dha_train.models.modeling_dha import DhaLlamaConfig
 from dha_train.models.modeling_moh import MohLlamaConfig
 from dha_train.models.transfer import transfer_to_gqa_state_dict
 from dha_train.ops.fusion import bake_llama_state_dict
+from dha_train.ops.mla import cache_values_per_token
 
 METHOD_TAG = 'dha_train_method'  # HF config attribute naming the method whose surgery a checkpoint holds
 BASE_MODEL_TYPE = 'llama'
@@ -177,3 +178,13 @@ register(Method('aligned_gqa', 'Aligned GQA: Procrustes alignment (`dha-train al
 register(Method('moh', 'MoH: shared + routed heads, continue-tuned from MHA (mixture_of_heads)',
                 model_type='moh_llama', algorithm='mixture_of_heads', export=_as_moh_model,
                 untagged=lambda config, weights: getattr(config, 'moh_router', None) is not None))
+
+
+def _mla_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
+    """MLA caches each layer's latent plus the kept rotated key dims of each K/V head."""
+    pairs = [len(layer[0]) for layer in config.mla_rope_pairs]
+    return cache_values_per_token(config.mla_ranks, pairs, config.num_key_value_heads) * seq_len * bytes_per_value
+
+
+register(Method('mla', 'MLA: partial RoPE + joint K/V latent (`dha-train convert --method mla`), served by the MLA '
+                'model', model_type='mla_llama', kv_cache_bytes=_mla_kv_cache_bytes))

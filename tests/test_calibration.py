@@ -33,6 +33,8 @@ def reference_projections(model, data: list[dict]) -> dict[tuple[int, str], torc
                 normed = layer.input_layernorm(hidden[index])
                 out.setdefault((index, 'key'), []).append(layer.self_attn.k_proj(normed).reshape(-1, HEADS * HEAD_DIM))
                 out.setdefault((index, 'value'), []).append(layer.self_attn.v_proj(normed).reshape(-1, HEADS * HEAD_DIM))
+                out.setdefault((index, 'query'), []).append(layer.self_attn.q_proj(normed).reshape(-1, HEADS * HEAD_DIM))
+                out.setdefault((index, 'input'), []).append(normed.reshape(-1, HEADS * HEAD_DIM))
     return {key: torch.cat(rows).double() for key, rows in out.items()}
 
 
@@ -70,6 +72,21 @@ def test_calibration_accumulates_exactly_n_tokens_of_pre_rope_keys_and_values(tm
     assert torch.equal(loaded.layer(1, 'value').running.gram, stats.layer(1, 'value').running.gram)
 
 
+def test_query_and_input_kinds_are_the_pre_rope_queries_and_the_normed_attention_input():
+    """What the MLA conversion reads: query rows for the RoPE-pair scores, the input covariance for the whitening."""
+    model = tiny_model()
+    data = batches(2)
+    reference = reference_projections(model, data)
+    stats = calibrate(model, data, num_tokens=2 * 3 * SEQ, kinds=('query', 'input'), sample_tokens=2 * 3 * SEQ)
+    for layer in range(LAYERS):
+        for kind in ('query', 'input'):
+            rows = reference[(layer, kind)]
+            torch.testing.assert_close(stats.layer(layer, kind).running.gram, rows.T @ rows, rtol=1e-5, atol=1e-4)
+        assert stats.layer(layer, 'input').num_heads == 1 and stats.layer(layer, 'query').num_heads == HEADS
+        torch.testing.assert_close(stats.layer(layer, 'query').sample.double(), reference[(layer, 'query')],
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_calibration_sample_is_seeded_and_memory_does_not_grow_with_tokens():
     model = tiny_model()
     first = calibrate(model, batches(6), num_tokens=5 * 3 * SEQ, sample_tokens=8, seed=1)
@@ -86,7 +103,7 @@ def test_calibration_errors_name_the_problem():
     with pytest.raises(CalibrationError, match='only 96'):
         calibrate(model, batches(2, rows=3), num_tokens=1000)
     with pytest.raises(CalibrationError, match='kinds'):
-        calibrate(model, batches(1), num_tokens=10, kinds=('query',))
+        calibrate(model, batches(1), num_tokens=10, kinds=('logits',))
     stats = calibrate(model, batches(1), num_tokens=10)
     with pytest.raises(CalibrationError, match="'output' was not recorded"):
         stats.layer(0, 'output')

@@ -16,11 +16,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dha_train.commands.convert_mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
+from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
+from dha_train.ops.mla import PAIR_CRITERIA
 from dha_train.paths import refuse_nonempty, staged_folder
 
 
@@ -87,11 +90,33 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('model_dir', help='local HF LLaMA folder (MHA or GQA)')
     parser.add_argument('out_dir')
-    target = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument('--method', choices=('mean_pool', 'mla'), default='mean_pool',
+                        help='mean_pool: the GQA baseline (--head-map or --kv-heads); mla: multi-head latent '
+                             'attention (--cache-fraction, see the MLA options)')
+    target = parser.add_mutually_exclusive_group()
     target.add_argument('--head-map', default=None, help='a head_map.json')
     target.add_argument('--kv-heads', type=int, default=None,
                         help='this many K/V heads per layer, each the mean of a contiguous run of the source\'s '
                              'K/V heads (standard GQA when it divides them)')
+    mla = parser.add_argument_group('MLA (--method mla)')
+    defaults = MlaSettings(cache_fraction=1.0)
+    mla.add_argument('--cache-fraction', type=float, default=None,
+                     help='cache numbers per token as a fraction of the source\'s K+V cache (e.g. 0.3333)')
+    mla.add_argument('--rope-pairs', type=int, default=defaults.rope_pairs,
+                     help=f'RoPE pairs kept rotated per K/V head (default {defaults.rope_pairs})')
+    mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=defaults.pair_criterion)
+    mla.add_argument('--ranks', choices=RANK_CHOICES, default=defaults.ranks,
+                     help='latent rank per layer: uniform, or allocated from the spectra (default)')
+    mla.add_argument('--rank-step', type=int, default=defaults.rank_step)
+    mla.add_argument('--factorisation', choices=FACTORISATIONS, default=defaults.factorisation,
+                     help='activation: SVD whitened by the calibration covariance (default); weight: plain SVD')
+    mla.add_argument('--no-balance', dest='balance', action='store_false',
+                     help='factor keys and values without equalising their energy first')
+    mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')
+    mla.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')
+    mla.add_argument('--batch-size', type=int, default=defaults.batch_size)
+    mla.add_argument('--seed', type=int, default=defaults.seed)
+    mla.add_argument('--device', default=defaults.device)
     parser.add_argument('--overwrite', action='store_true')
     parser.set_defaults(func=run)
 
@@ -99,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not (Path(args.model_dir) / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {args.model_dir}')
+    if args.method == 'mla':
+        return run_mla(args)
+    if args.head_map is None and args.kv_heads is None:
+        raise ConfigError('convert --method mean_pool needs --head-map or --kv-heads')
     config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
     source = source_head_map(config, 'convert')
     if args.head_map is not None:
@@ -111,4 +140,22 @@ def run(args: argparse.Namespace) -> int:
     out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
     print(f'dha-train convert: wrote {out} (K/V heads per layer {head_map.kv_heads()[0]}'
           f'{"" if len(set(head_map.kv_heads())) == 1 else " (varies by layer)"}; {head_map.budget_text(source)})')
+    return 0
+
+
+def run_mla(args: argparse.Namespace) -> int:
+    if args.head_map is not None or args.kv_heads is not None:
+        raise ConfigError('convert --method mla takes --cache-fraction, not --head-map or --kv-heads')
+    if args.cache_fraction is None:
+        raise ConfigError('convert --method mla needs --cache-fraction (of the source\'s K+V cache)')
+    settings = MlaSettings(cache_fraction=args.cache_fraction, rope_pairs=args.rope_pairs,
+                           pair_criterion=args.pair_criterion, ranks=args.ranks, factorisation=args.factorisation,
+                           balance=args.balance, rank_step=args.rank_step, data=args.data, tokens=args.tokens,
+                           batch_size=args.batch_size, seed=args.seed, device=args.device)
+    report = convert_to_mla(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
+    ranks = report['ranks']
+    print(f'dha-train convert --method mla: wrote {args.out_dir} (latent ranks {min(ranks)}-{max(ranks)}, '
+          f'{report["rope_pairs"]} RoPE pairs per K/V head; {report["cache_values_per_token"]} cache numbers per '
+          f'token: {report["fraction_of_source"]:.1%} of the source KV cache, {report["fraction_of_mha"]:.1%} of '
+          'MHA\'s)')
     return 0

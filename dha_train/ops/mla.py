@@ -201,6 +201,16 @@ def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_
     return sum(int(rank) + 2 * int(pairs) * num_kv_heads for rank, pairs in zip(ranks, kept_pairs))
 
 
+def joint_latent_rows(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
+                      covariance: torch.Tensor | None = None,
+                      balance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rows the latent factors: per head the position-free key rows, then the value rows, in float64; their
+    balance scales or None). ``latent_spectrum(rows, covariance, scales)`` is the layer's spectrum."""
+    key_nope = k_weight.double()[head_rows(nope_dims(kept_pairs, head_dim), head_dim)]
+    scales = balance_scales(key_nope, v_weight, covariance) if balance and key_nope.shape[0] else None
+    return torch.cat([key_nope, v_weight.double()]), scales
+
+
 def mla_layer_weights(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
                       rank: int, covariance: torch.Tensor | None = None, balance: bool = False,
                       k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -210,9 +220,7 @@ def mla_layer_weights(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs
     to ``k_rope_proj`` and ``kv_up_proj`` exactly (the latent factors only the weights)."""
     rope_rows = head_rows(rope_dims(kept_pairs, head_dim), head_dim)
     nope_rows = head_rows(nope_dims(kept_pairs, head_dim), head_dim)
-    key_nope = k_weight.double()[nope_rows]
-    joint = torch.cat([key_nope, v_weight.double()])
-    scales = balance_scales(key_nope, v_weight, covariance) if balance and key_nope.shape[0] else None
+    joint, scales = joint_latent_rows(k_weight, v_weight, kept_pairs, head_dim, covariance, balance)
     up, down = latent_factors(joint, rank, covariance, scales)
     weights = {'k_rope_proj.weight': k_weight.double()[rope_rows], 'kv_down_proj.weight': down,
                'kv_up_proj.weight': up}

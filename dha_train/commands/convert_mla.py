@@ -1,0 +1,180 @@
+"""`dha-train convert --method mla`: an MHA or GQA LLaMA folder to multi-head latent attention (``ops.mla``).
+
+Per layer: the RoPE pairs each K/V head keeps (MHA2MLA's 2-norm criterion over calibration queries and keys, or a
+uniform / high-frequency choice), then the position-free keys and the values factored jointly into a latent
+(activation-aware SVD whitened by the calibration covariance of the attention input, or plain weight SVD), with
+ranks uniform or allocated from the spectra. The budget is a fraction of the source's K+V cache, in cache numbers per
+token (the unit of every method's KV bytes): ``ranks + kv_heads * 2 * pairs`` per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig
+
+from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
+from dha_train.config import ConfigError
+from dha_train.errors import InputNotFoundError
+from dha_train.models.llama_layout import attention_modules, head_dim
+from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
+from dha_train.ops.mla import (
+    PAIR_CRITERIA,
+    allocate_latent_ranks,
+    cache_values_per_token,
+    joint_latent_rows,
+    kept_rope_pairs,
+    latent_spectrum,
+    mla_layer_weights,
+    rope_pair_scores,
+)
+from dha_train.paths import refuse_nonempty, staged_folder
+
+RANK_CHOICES = ('uniform', 'spectrum')
+FACTORISATIONS = ('activation', 'weight')
+
+
+@dataclass
+class MlaSettings:
+    cache_fraction: float  # of the source's K+V cache numbers per token
+    rope_pairs: int = 4  # RoPE pairs kept per K/V head (2 * pairs rotated key dims)
+    pair_criterion: str = 'norm'  # norm (MHA2MLA 2-norm), uniform, high_frequency
+    ranks: str = 'spectrum'  # uniform or spectrum (allocated over the layers)
+    factorisation: str = 'activation'  # activation (calibration covariance) or weight (plain SVD)
+    balance: bool = True  # give keys the values' energy before the joint factorisation (TransMLA)
+    rank_step: int = 8  # spectrum ranks are multiples of this
+    data: str | None = None  # `dha-train data prep` folder for calibration
+    split: str = 'train'
+    tokens: int = 16384
+    sample_tokens: int = 4096  # token rows kept for the 2-norm pair scores
+    batch_size: int = 8
+    seed: int = 0
+    device: str = 'cpu'
+
+
+def check_settings(settings: MlaSettings) -> None:
+    if not 0 < settings.cache_fraction <= 1:
+        raise ConfigError(f'mla: --cache-fraction must be in (0, 1], got {settings.cache_fraction}')
+    for name, value, allowed in (('--pair-criterion', settings.pair_criterion, PAIR_CRITERIA),
+                                 ('--ranks', settings.ranks, RANK_CHOICES),
+                                 ('--factorisation', settings.factorisation, FACTORISATIONS)):
+        if value not in allowed:
+            raise ConfigError(f"mla: {name} must be one of {', '.join(allowed)}, got '{value}'")
+    if settings.rope_pairs < 0 or settings.rank_step < 1 or settings.tokens < 1:
+        raise ConfigError('mla: --rope-pairs must be >= 0, --rank-step and --tokens >= 1')
+    if settings.data is None and (settings.pair_criterion == 'norm' or settings.factorisation == 'activation'):
+        raise ConfigError('mla: the 2-norm pair criterion and the activation-aware factorisation need calibration '
+                          'data (--data); or use --pair-criterion uniform --factorisation weight')
+
+
+def latent_budget(config, settings: MlaSettings) -> tuple[int, int]:
+    """(total latent rank over the layers, the source's cache numbers per token) for the settings' cache fraction,
+    after the kept RoPE key dims are paid for."""
+    layers, kv_heads, dim = config.num_hidden_layers, config.num_key_value_heads, head_dim(config)
+    if settings.rope_pairs > dim // 2:
+        raise ConfigError(f'mla: --rope-pairs {settings.rope_pairs} exceeds the {dim // 2} pairs of a '
+                          f'{dim}-dim head')
+    source_values = layers * 2 * kv_heads * dim
+    budget = math.floor(settings.cache_fraction * source_values + 1e-9)
+    latent = budget - layers * kv_heads * 2 * settings.rope_pairs
+    if latent < layers:
+        raise ConfigError(f'mla: a cache fraction of {settings.cache_fraction} ({budget} numbers per token over '
+                          f'{layers} layers) leaves no latent after {settings.rope_pairs} RoPE pairs per head; '
+                          'keep fewer pairs or raise the fraction')
+    return latent, source_values
+
+
+def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSettings, *,
+                   overwrite: bool = False) -> dict:
+    """Convert and save the MLA folder; returns a report (ranks, pairs, cache numbers against the source)."""
+    check_settings(settings)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / 'config.json').is_file():
+        raise InputNotFoundError(f'no HF config.json in {model_dir}')
+    refuse_nonempty(out_dir, overwrite)
+    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    total_latent, source_values = latent_budget(config, settings)
+    model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
+    dim, kv_heads = head_dim(config), config.num_key_value_heads
+    query_to_kv = [h // (config.num_attention_heads // kv_heads) for h in range(config.num_attention_heads)]
+
+    calibration = None
+    if settings.data is not None:
+        batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
+                                      batch_size=settings.batch_size, seed=settings.seed, who='convert --method mla')
+        try:
+            calibration = calibrate(model, batches, num_tokens=settings.tokens, kinds=('query', 'key', 'input'),
+                                    sample_tokens=min(settings.sample_tokens, settings.tokens), seed=settings.seed)
+        except CalibrationError as exc:
+            raise CalibrationError(f'convert --method mla: {exc}') from exc
+
+    layers = attention_modules(model)
+    kept, covariances = [], []
+    for index, attention in enumerate(layers):
+        scores = None
+        if settings.pair_criterion == 'norm':
+            scores = rope_pair_scores(calibration.layer(index, 'query').sample, calibration.layer(index, 'key').sample,
+                                      dim, query_to_kv)
+        kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores))
+        covariance = None
+        if settings.factorisation == 'activation':
+            running = calibration.layer(index, 'input').running
+            covariance = running.gram / running.count  # E[x x^T] over the calibration tokens
+        covariances.append(covariance)
+
+    if settings.ranks == 'uniform':
+        rank = total_latent // len(layers)
+        ranks = [rank] * len(layers)
+    else:
+        spectra = []
+        for index, attention in enumerate(layers):
+            rows, scales = joint_latent_rows(attention.k_proj.weight.detach(), attention.v_proj.weight.detach(),
+                                             kept[index], dim, covariances[index], settings.balance)
+            spectra.append(latent_spectrum(rows, covariances[index], scales)[0])
+        step = settings.rank_step
+        try:
+            ranks = allocate_latent_ranks(spectra, total_latent // step * step, step=step)
+        except ValueError as exc:
+            raise ConfigError(f'mla: --cache-fraction {settings.cache_fraction}: {exc}') from exc
+    full = kv_heads * (dim - 2 * settings.rope_pairs) + kv_heads * dim
+    if any(rank > full for rank in ranks):
+        raise ConfigError(f'mla: rank {max(ranks)} exceeds the {full} position-free key and value dims of a layer; '
+                          'lower --cache-fraction or keep more RoPE pairs')
+
+    state = {name: tensor for name, tensor in model.state_dict().items()
+             if '.k_proj.' not in name and '.v_proj.' not in name}
+    for index, attention in enumerate(layers):
+        converted = mla_layer_weights(attention.k_proj.weight.detach(), attention.v_proj.weight.detach(),
+                                      kept[index], dim, ranks[index], covariances[index], settings.balance,
+                                      _bias(attention.k_proj), _bias(attention.v_proj))
+        prefix = f'model.layers.{index}.self_attn.'
+        state.update({prefix + name: tensor.float().cpu() for name, tensor in converted.items()})
+    del model
+
+    settings_dict = {k: v for k, v in config.to_diff_dict().items() if k not in ('model_type', 'architectures')}
+    mla_config = MlaLlamaConfig(mla_ranks=[int(r) for r in ranks], mla_rope_pairs=[k.tolist() for k in kept],
+                                **settings_dict)
+    mla_model = MlaLlamaForCausalLM(mla_config)
+    missing, unexpected = mla_model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (name.endswith('lm_head.weight') and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f'mla conversion: weights do not match (missing {missing[:4]}, unexpected {unexpected[:4]})')
+    cached = cache_values_per_token(ranks, [settings.rope_pairs] * len(ranks), kv_heads)
+    report = {'ranks': [int(r) for r in ranks], 'rope_pairs': settings.rope_pairs,
+              'pair_criterion': settings.pair_criterion, 'factorisation': settings.factorisation,
+              'balance': settings.balance, 'cache_values_per_token': cached, 'source_values_per_token': source_values,
+              'fraction_of_source': cached / source_values,
+              'fraction_of_mha': cached / (config.num_hidden_layers * 2 * config.num_attention_heads * dim),
+              'calibration_tokens': calibration.tokens if calibration is not None else 0}
+    with staged_folder(out_dir, overwrite) as staging:
+        mla_model.save_pretrained(staging, safe_serialization=True)
+        if (model_dir / 'tokenizer_config.json').is_file():
+            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
+    return report
+
+
+def _bias(projection) -> torch.Tensor | None:
+    return None if projection.bias is None else projection.bias.detach()

@@ -1,0 +1,83 @@
+"""`dha-train convert --method mla` on a tiny GQA LLaMA: at the whole budget with every RoPE pair kept it is the
+source; at a third of the cache (calibrated pair choice, activation-aware factorisation, ranks from the spectra) the
+cache holds what the report and the method registry say; bad requests are named before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.cli import main
+from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
+from dha_train.methods import kv_cache_bytes
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
+
+
+@pytest.fixture(scope='module')
+def gqa_source(tmp_path_factory, tokenizer_dir):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=48, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=256, rope_theta=100.0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(8)
+    path = tmp_path_factory.mktemp('gqa') / 'source'
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+def _logits(folder, ids):
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize('ranks', ['uniform', 'spectrum'])
+def test_whole_budget_with_every_pair_kept_is_the_source(gqa_source, tmp_path, ranks):
+    report = convert_to_mla(gqa_source, tmp_path / 'mla', MlaSettings(
+        cache_fraction=1.0, rope_pairs=HEAD_DIM // 2, pair_criterion='uniform', factorisation='weight', ranks=ranks,
+        rank_step=1))
+    assert report['ranks'] == [KV_HEADS * HEAD_DIM] * LAYERS and report['fraction_of_source'] == 1.0
+    ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(tmp_path / 'mla', ids), _logits(gqa_source, ids), rtol=0, atol=1e-5)
+
+
+def test_a_third_of_the_cache_calibrated_holds_the_stated_bytes(gqa_source, tmp_path, data_root, capsys):
+    code = main(['convert', str(gqa_source), str(tmp_path / 'mla'), '--method', 'mla', '--cache-fraction', '0.3333',
+                 '--rope-pairs', '1', '--data', str(data_root), '--tokens', '512', '--batch-size', '4',
+                 '--rank-step', '2'])
+    assert code == 0
+    printed = capsys.readouterr().out
+    config = AutoModelForCausalLM.from_pretrained(tmp_path / 'mla').config
+    source_values = LAYERS * 2 * KV_HEADS * HEAD_DIM  # 64 numbers per token
+    cached = sum(config.mla_ranks) + LAYERS * KV_HEADS * 2 * 1
+    assert cached <= source_values // 3 and cached > source_values // 3 - 2  # the budget, to the rank step
+    assert all(rank % 2 == 0 for rank in config.mla_ranks)
+    assert f'{cached} cache numbers per token' in printed
+    assert kv_cache_bytes(config, 4096, 2) == cached * 4096 * 2
+    assert all(len(head) == 1 for layer in config.mla_rope_pairs for head in layer)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / 'mla').eval()
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize('arguments, message', [
+    (['--method', 'mla'], 'needs --cache-fraction'),
+    (['--method', 'mla', '--cache-fraction', '0.5', '--kv-heads', '1'], 'not --head-map or --kv-heads'),
+    (['--method', 'mla', '--cache-fraction', '0.5'], 'need calibration data'),
+    (['--method', 'mla', '--cache-fraction', '0.05', '--pair-criterion', 'uniform', '--factorisation', 'weight'],
+     'leaves no latent'),
+    (['--method', 'mla', '--cache-fraction', '1.5', '--pair-criterion', 'uniform', '--factorisation', 'weight'],
+     'must be in (0, 1]'),
+    ([], 'needs --head-map or --kv-heads'),
+])
+def test_bad_requests_are_one_line_before_any_work(gqa_source, tmp_path, capsys, arguments, message):
+    assert main(['convert', str(gqa_source), str(tmp_path / 'out'), *arguments]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and message in error[0], error
+    assert not (tmp_path / 'out').exists()
