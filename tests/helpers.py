@@ -7,10 +7,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -209,3 +211,37 @@ def wandb_history_keys(run_file) -> dict[str, list[float]]:
     return values
 
 
+# Runs where dha_train cannot be imported: the editable install's finder is dropped before anything else.
+_REMOTE_LOAD = textwrap.dedent('''
+    import sys
+    sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]
+    sys.path[:] = [p for p in sys.path if '__editable__' not in p]
+    try:
+        import dha_train
+    except ImportError:
+        pass
+    else:
+        raise SystemExit('dha_train is importable: ' + str(dha_train.__path__))
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert type(model).__module__.startswith('transformers_modules.'), type(model).__module__
+    with torch.no_grad():
+        logits = model(torch.tensor(json.loads(sys.argv[2])), use_cache=False).logits
+    torch.save(logits, sys.argv[3])
+''')
+
+
+def logits_without_dha_train(folder: Path, input_ids: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    """Logits of an exported folder (copied elsewhere) loaded with trust_remote_code in a fresh interpreter where
+    dha_train cannot be imported and the hub is offline: what a user's inference stack sees."""
+    copy = shutil.copytree(folder, tmp_path / 'exported-copy')
+    env = {key: value for key, value in os.environ.items() if key not in ('PYTHONPATH', 'PYTHONHOME')}
+    env.update(PYTHONNOUSERSITE='1', HF_HOME=str(tmp_path / 'hf_home'), HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
+    out_file = tmp_path / 'remote-logits.pt'
+    result = subprocess.run(
+        [sys.executable, '-c', _REMOTE_LOAD, str(copy), json.dumps(input_ids.tolist()), str(out_file)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(out_file)

@@ -88,13 +88,14 @@ class MlaLlamaConfig(LlamaConfig):
         return int(self.mla_ranks[layer_idx]), [[int(p) for p in head] for head in self.mla_rope_pairs[layer_idx]]
 
 
-def _dims(pairs: list[list[int]], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rotated dims (kv_heads, 2p): kept pairs' first then second halves; position-free dims (kv_heads, d - 2p))."""
+def _dims(pairs: list[list[int]], head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated dims (kv_heads, 2p): kept pairs' first then second halves; position-free dims (kv_heads, d - 2p)).
+    Worked out in Python: under a meta-device build the tensors hold no values to read back."""
     half, width = head_dim // 2, 2 * len(pairs[0])
-    rope = torch.tensor([head + [p + half for p in head] for head in pairs], dtype=torch.long)
-    nope = torch.tensor([[dim for dim in range(head_dim) if dim not in set(row)] for row in rope.tolist()],
-                        dtype=torch.long)
-    return rope.view(len(pairs), width), nope.view(len(pairs), head_dim - width)
+    rope = [head + [p + half for p in head] for head in pairs]
+    nope = [[dim for dim in range(head_dim) if dim not in set(row)] for row in rope]
+    as_tensor = lambda rows, columns: torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), columns)  # noqa: E731
+    return as_tensor(rope, width), as_tensor(nope, head_dim - width)
 
 
 class MlaLlamaAttention(nn.Module):
@@ -135,8 +136,9 @@ class MlaLlamaAttention(nn.Module):
 
     def reset_dims(self) -> None:
         """Refill the layout buffers from the config (``_init_weights`` calls this)."""
-        rope, nope = _dims(self.config.layer_layout(self.layer_idx)[1], self.head_dim)
-        kv_of_query = torch.arange(self.num_heads, device=rope.device) // self.num_key_value_groups
+        device = self.query_rope_dims.device
+        rope, nope = _dims(self.config.layer_layout(self.layer_idx)[1], self.head_dim, device)
+        kv_of_query = torch.arange(self.num_heads, device=device) // self.num_key_value_groups
         self.query_rope_dims.copy_(rope[kv_of_query])
         self.query_nope_dims.copy_(nope[kv_of_query])
         self.key_rope_dims.copy_(rope)

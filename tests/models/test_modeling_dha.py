@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import dha_train.models  # noqa: F401  (registers the Auto classes)
 from dha_train.models.head_map import HeadMap
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+from helpers import logits_without_dha_train
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 8, 8
 TINY = dict(vocab_size=100, hidden_size=NUM_HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
@@ -130,36 +127,6 @@ def test_auto_class_loads_without_trust_remote_code_after_import(saved):
     torch.testing.assert_close(logits(loaded, input_ids()), expected, rtol=0, atol=1e-5)
 
 
-# Runs where dha_train cannot be imported: the editable install's finder is dropped before anything else.
-REMOTE_LOAD = textwrap.dedent('''
-    import sys
-    sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]
-    sys.path[:] = [p for p in sys.path if '__editable__' not in p]
-    try:
-        import dha_train
-    except ImportError:
-        pass
-    else:
-        raise SystemExit('dha_train is importable: ' + str(dha_train.__path__))
-    import json
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    assert type(model).__module__.startswith('transformers_modules.'), type(model).__module__
-    with torch.no_grad():
-        logits = model(torch.tensor(json.loads(sys.argv[2])), use_cache=False).logits
-    torch.save(logits, sys.argv[3])
-''')
-
-
 def test_trust_remote_code_load_without_dha_train(saved, tmp_path):
     folder, expected = saved
-    copy = shutil.copytree(folder, tmp_path / 'exported')
-    env = {key: value for key, value in os.environ.items() if key not in ('PYTHONPATH', 'PYTHONHOME')}
-    env.update(PYTHONNOUSERSITE='1', HF_HOME=str(tmp_path / 'hf_home'), HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
-    out_file = tmp_path / 'logits.pt'
-    result = subprocess.run(
-        [sys.executable, '-c', REMOTE_LOAD, str(copy), json.dumps(input_ids().tolist()), str(out_file)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    torch.testing.assert_close(torch.load(out_file), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_without_dha_train(folder, input_ids(), tmp_path), expected, rtol=0, atol=1e-5)
