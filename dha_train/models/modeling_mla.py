@@ -197,7 +197,8 @@ class MlaLlamaAttention(nn.Module):
             latent, key_rope = cache.update(latent, key_rope, self.layer_idx, {"cache_position": cache_position})
 
         if cache is not None and length == 1 and not self.training:
-            return self._absorbed_decode(query_nope, query_rope, latent, key_rope, attention_mask)
+            attn_output, attn_weights = self.latent_attention(query_nope, query_rope, latent, key_rope, attention_mask)
+            return self.o_proj(attn_output), attn_weights
 
         up = self.kv_up_proj(latent.squeeze(1))                                               # (B, S, G*(n+d))
         key_rows = self.num_kv_heads * self.nope_width
@@ -217,8 +218,9 @@ class MlaLlamaAttention(nn.Module):
         attn_output = attn_output.reshape(batch, length, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    def _absorbed_decode(self, query_nope, query_rope, latent, key_rope, attention_mask):
-        """One decode step against the latent cache: U_k absorbed into the query, U_v into the output."""
+    def latent_attention(self, query_nope, query_rope, latent, key_rope, attention_mask):
+        """One decode step against the latent cache, U_k absorbed into the query and U_v into the output: the
+        (B, 1, H * d) attention output before o_proj, and the attention weights."""
         batch = query_nope.shape[0]
         up_key, up_value, key_bias, value_bias = self._split_up()
         group = self.num_key_value_groups
@@ -239,8 +241,7 @@ class MlaLlamaAttention(nn.Module):
         output = torch.einsum("bhqr,hdr->bhqd", mixed, up_value.repeat_interleave(group, dim=0))
         if value_bias is not None:  # the weights sum to 1
             output = output + value_bias.repeat_interleave(group, dim=0)[None, :, None, :]
-        output = output.transpose(1, 2).reshape(batch, 1, -1).contiguous()
-        return self.o_proj(output), weights
+        return output.transpose(1, 2).reshape(batch, 1, -1).contiguous(), weights
 
 
 class MlaLlamaDecoderLayer(LlamaDecoderLayer):

@@ -74,7 +74,8 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
         assert row['kv_bytes'] == expected[row['budget']], row['label']
     methods = {(row['method'], row['budget']) for row in results['rows']}
     assert methods >= {('mean_pool', 'kv1'), ('mean_pool', 'kv2'), ('aligned_gqa', 'kv1'), ('asym_gqa', 'kv1'),
-                       ('asym_gqa', 'kv2'), ('dha', 'kv1'), ('dha', 'kv2'), ('moh', None)}
+                       ('asym_gqa', 'kv2'), ('dha', 'kv1'), ('dha', 'kv2'), ('mla', 'kv1'), ('mla', 'kv2'),
+                       ('moh', None)}
     # aligned GQA needs equal groups: 2 of 3 source heads is skipped, with the reason
     skipped = [s for s in results['skipped'] if s['method'] == 'aligned_gqa']
     assert [s['budget'] for s in skipped] == ['kv2'] and 'equal groups' in skipped[0]['reason']

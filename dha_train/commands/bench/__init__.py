@@ -7,6 +7,7 @@
 - ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone;
 - ``gqa-memory``: parameters and peak memory of DHA Fusion on a GQA source's own K/V heads against expanding them
   to one per query head, at LLaMA-3-8B geometry (meta device, one layer measured);
+- ``mla``: one decode step's attention over the MLA latent cache against MHA and GQA at the same cache bytes;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time.
 """
@@ -20,6 +21,7 @@ from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
+from dha_train.commands.bench.mla import run_mla_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
 from dha_train.commands.bench.real import BUDGETS as REAL_BUDGETS
@@ -98,6 +100,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gqa_memory.add_argument('--tokens', type=int, default=2048, help='tokens of the one-layer forward and backward')
     gqa_memory.add_argument('--out', default=None, help='folder for results.json')
     gqa_memory.set_defaults(func=run_gqa_memory)
+    mla = bench.add_parser('mla', help='one decode step\'s attention over the MLA latent cache (up-projections '
+                           'absorbed) against MHA and GQA at the same cache bytes, long contexts')
+    mla.add_argument('--seq-lens', dest='seq_lens', nargs='+', type=int, default=[512, 2048, 8192])
+    mla.add_argument('--heads', type=int, default=32)
+    mla.add_argument('--head-dim', dest='head_dim', type=int, default=64)
+    mla.add_argument('--kv-heads', dest='kv_heads', nargs='+', type=int, default=[8, 2],
+                     help='GQA rows, and the cache bytes of the MLA rows (default 8 2)')
+    mla.add_argument('--kv-source', dest='kv_source', type=int, default=8,
+                     help='K/V heads of the source the MLA rows are converted from (their rotated key heads)')
+    mla.add_argument('--rope-pairs', dest='rope_pairs', type=int, default=4)
+    mla.add_argument('--calls', type=int, default=20, help='attention calls per timing round')
+    mla.add_argument('--repeats', type=int, default=5, help='interleaved timing rounds (median reported)')
+    mla.add_argument('--out', default=None, help='folder for results.json')
+    mla.set_defaults(func=run_mla)
     real = bench.add_parser('real', help='every method on SmolLM2-135M (GQA, imported from the bundled GGUF) at 1/3 '
                             'and 2/3 of its K+V cache: held-out loss, 6-task accuracy, KV bytes, tokens, wall time')
     real.add_argument('--out', default='bench_real', help='folder for the imported model, data, stages (reused '
@@ -167,6 +183,13 @@ def run_load(args: argparse.Namespace) -> int:
 
 def run_gqa_memory(args: argparse.Namespace) -> int:
     run_gqa_memory_bench(out=args.out, tokens=args.tokens)
+    return 0
+
+
+def run_mla(args: argparse.Namespace) -> int:
+    run_mla_bench(seq_lens=args.seq_lens, out=args.out, heads=args.heads, head_dim=args.head_dim,
+                  kv_heads=args.kv_heads, kv_source=args.kv_source, rope_pairs=args.rope_pairs, calls=args.calls,
+                  repeats=args.repeats)
     return 0
 
 

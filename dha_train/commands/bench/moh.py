@@ -64,7 +64,7 @@ def _moh_config(heads: int, head_dim: int, layers: int, shared: int, top_k: int,
     return config
 
 
-def _median_rounds(timers: dict, repeats: int) -> dict[str, float]:
+def median_rounds(timers: dict, repeats: int) -> dict[str, float]:
     """Run every timer once per round, interleaved, and keep each one's median seconds."""
     seconds = {name: [] for name in timers}
     for _ in range(repeats):
@@ -115,7 +115,7 @@ def attention_bench(seq_lens: Sequence[int], heads: int, head_dim: int, calls: i
             timers[f'{fraction:.0%}'] = moh
         for timer in timers.values():  # warm-up
             timer()
-        medians = _median_rounds(timers, repeats)
+        medians = median_rounds(timers, repeats)
         row = {'seq': seq, 'mha_us': medians['mha'] * 1e6}
         for fraction in ACTIVE_FRACTIONS:
             label = f'{fraction:.0%}'
@@ -161,7 +161,7 @@ def decode_bench(seq_lens: Sequence[int], heads: int, head_dim: int, layers: int
         timers = {name: decoder(name) for name in models}
         for timer in timers.values():  # warm-up
             timer()
-        medians = _median_rounds(timers, repeats)
+        medians = median_rounds(timers, repeats)
         row = {'seq': seq, 'mha_tokens_per_s': decode_tokens / medians['mha']}
         for fraction in ACTIVE_FRACTIONS:
             label = f'{fraction:.0%}'

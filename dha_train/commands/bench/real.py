@@ -23,6 +23,8 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
   fraction of the source's K+V heads; at 1/3 the DP has one solution, one head each, so the Search is skipped and
   recorded so), Fusion until L_fusion < threshold or the whole token budget is spent (``yamls/real/fusion.yaml``),
   baked; then CT for the rest of the budget. The first point is after fusion: its tokens count as training tokens;
+- MLA: ``convert --method mla`` at the budget's cache bytes (4 of 32 RoPE pairs per K/V head kept, pairs by the
+  calibrated 2-norm criterion, activation-aware joint K/V latent, ranks from the spectra), then CT;
 - MoH at 7 of 9 active heads (4 shared + top 3 of 5 routed, 77.8%: 75% of 9 is not whole, 7/9 is the nearest),
   query-norm router: the surgery (0 tokens, the same weights under the MoH class), then continue-tuning
   (``yamls/real/moh.yaml``). MoH keeps every K/V head: its KV bytes are the source's.
@@ -67,6 +69,7 @@ from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.commands.convert import convert_checkpoint
+from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
 from dha_train.commands.evaluate import run_eval
 from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
@@ -78,7 +81,7 @@ from dha_train.models.head_map import HeadMap
 from dha_train.stages import Stage, train_stage, train_tokens
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
-METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'moh')
+METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla', 'moh')
 BUDGETS = ('kv1', 'kv2')
 SOURCE = 'smollm2-135m'
 HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
@@ -522,6 +525,29 @@ class _Bench:
         self.evaluate(f'DHA {budget} +CT', 'dha', budget, trained['hf_folder'], fused['tokens'] + trained['tokens'],
                       seconds + trained['seconds'], ct_tokens=trained['tokens'], **extra)
 
+    def mla(self, budget: str) -> None:
+        """MLA at the same cache bytes as the budget's GQA rows: RoPE pairs by the calibrated 2-norm criterion, the
+        joint latent by activation-aware SVD, ranks from the spectra (``convert --method mla``), then CT."""
+        s = self.settings
+        name = f'mla-{budget}'
+        fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
+        pairs = mla_rope_pairs(self.source_map.head_dim)
+
+        def convert(out: Path) -> dict:
+            report = convert_to_mla(self.source, out / 'hf', MlaSettings(
+                cache_fraction=fraction, rope_pairs=pairs, data=str(self.train_data), tokens=s.calib_tokens,
+                batch_size=min(8, s.batch), rank_step=1, seed=s.seed, device=s.device), overwrite=True)
+            return {'hf_folder': str(out / 'hf'), 'ranks': report['ranks'], 'rope_pairs': pairs,
+                    'calibration_tokens': report['calibration_tokens']}
+
+        converted = _run_stage(self.runs, f'{name}-convert', convert)
+        extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])], 'rope_pairs': pairs,
+                 'calibration_tokens': converted['calibration_tokens']}
+        self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
+        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
+                      converted['seconds'] + trained['seconds'], **extra)
+
     def moh(self) -> None:
         s = self.settings
         name = 'moh'
@@ -549,6 +575,12 @@ class _Bench:
         trained = _run_stage(self.runs, f'{name}-continue', tune)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **setting)
+
+
+def mla_rope_pairs(head_dim: int) -> int:
+    """RoPE pairs an MLA row keeps rotated per K/V head: an eighth of the pairs (SmolLM2's 64-dim heads: 4 of 32,
+    i.e. 8 rotated dims, as MHA2MLA's small settings), at least one."""
+    return max(1, head_dim // 16)
 
 
 def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k: int) -> Path:
