@@ -132,6 +132,14 @@ def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides
     return latest_checkpoint_batch(save_folder)
 
 
+def launcher_env(port: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment the launch/*.sh chains run under in tests: this interpreter's dha-train and composer
+    launcher (on a free port unless ``port`` is given), one thread per process, plus ``extra`` variables."""
+    return {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
+            'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
+            'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {port or free_port()}', **extra}
+
+
 def free_port() -> int:
     """A TCP port free on this machine now, for a launch's --master_port (instead of fixed numbers that collide
     when two test runs share a machine)."""

@@ -14,7 +14,7 @@ from dha_train.commands.align import ALIGNMENT_REPORT, TARGET_MAP_FILE, AlignSet
 from dha_train.config import ConfigError
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.alignment import plane_rotation
-from helpers import HEAD_DIM, HEADS, free_port, planted_mha
+from helpers import HEAD_DIM, HEADS, launcher_env, planted_mha
 
 
 def rotated_planted_mha(path, query_heads: int = HEADS):
@@ -86,9 +86,7 @@ def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root,
     """launch/aligned_gqa.sh with the tiny recipe: align -> 2-process FSDP2 pruning with distillation -> export as
     standard HF GQA, which plain transformers loads and generates with, its KV cache holding 2 heads; a re-run
     skips both stages."""
-    import os
     import subprocess
-    import sys
 
     from transformers import AutoTokenizer
 
@@ -96,9 +94,7 @@ def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root,
 
     planted_mha(tmp_path / 'mha')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
-           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli', 'ALIGN_ARGS': '--tokens 512 --batch-size 4',
-           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    env = launcher_env(ALIGN_ARGS='--tokens 512 --batch-size 4')
     command = ['bash', 'launch/aligned_gqa.sh', str(tmp_path / 'mha'), 'yamls/aligned_gqa/tiny', str(data_root),
                str(tmp_path / 'runs'), '2', '2', 'variables.steps=20', 'eval_interval=20ba', 'save_interval=10ba']
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)

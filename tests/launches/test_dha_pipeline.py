@@ -4,17 +4,15 @@ skips finished stages and finishes an interrupted one."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, SEQ_LEN, free_port
+from helpers import REPO, SEQ_LEN, free_port, launcher_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -24,9 +22,7 @@ STAGE_OVERRIDES = ['max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba',
 
 
 def _run_pipeline(mha_dir, data_root, save_root, port):
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1', 'DHA_NAME': 'tiny-dha25',
-           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
-           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {port}'}
+    env = launcher_env(port, DHA_NAME='tiny-dha25')
     done = subprocess.run(['bash', 'launch/dha_pipeline.sh', str(mha_dir), 'yamls/dha/tiny', str(data_root),
                            str(save_root), '0.25', '2', *STAGE_OVERRIDES],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, SEQ_LEN, free_port
+from helpers import REPO, SEQ_LEN, launcher_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,9 +26,7 @@ def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tok
     LlamaForCausalLM(config).save_pretrained(mha_dir)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(mha_dir)
 
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
-           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
-           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    env = launcher_env()
     save_root = tmp_path / 'runs'
     done = subprocess.run(
         ['bash', 'launch/gqa_baseline.sh', str(mha_dir), '2', str(data_root), str(save_root), '2',
@@ -61,10 +57,7 @@ def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_r
 
     planted_mha(tmp_path / 'mha')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
-           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
-           'SEARCH_ARGS': '--tokens 512 --sample-tokens 64 --iterations 25 --fitness kl --batch-size 4',
-           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    env = launcher_env(SEARCH_ARGS='--tokens 512 --sample-tokens 64 --iterations 25 --fitness kl --batch-size 4')
     save_root = tmp_path / 'runs'
     done = subprocess.run(
         ['bash', 'launch/asym_gqa.sh', str(tmp_path / 'mha'), '2', str(data_root), str(save_root), '2',

@@ -5,16 +5,14 @@ process without dha_train, giving the logits the project's class gives."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from helpers import REPO, SEQ_LEN, free_port, logits_without_dha_train
+from helpers import REPO, SEQ_LEN, launcher_env, logits_without_dha_train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,10 +27,7 @@ def test_convert_then_ct_with_two_processes_then_export_loads_without_the_packag
     LlamaForCausalLM(config).save_pretrained(source)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(source)
 
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
-           'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
-           'MLA_ARGS': '--rope-pairs 1 --tokens 512 --batch-size 4 --rank-step 4',
-           'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {free_port()}'}
+    env = launcher_env(MLA_ARGS='--rope-pairs 1 --tokens 512 --batch-size 4 --rank-step 4')
     save_root = tmp_path / 'runs'
     done = subprocess.run(
         ['bash', 'launch/mla.sh', str(source), '0.5', str(data_root), str(save_root), '2', 'yamls/mla/tiny_ct.yaml',
