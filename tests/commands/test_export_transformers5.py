@@ -1,4 +1,4 @@
-"""`dha-train export` folders load where users run them: a DHA, an MoH and a plain GQA export, loaded with
+"""`dha-train export` folders load where users run them: a DHA, an MoH, an MLA and a plain GQA export, loaded with
 ``trust_remote_code=True`` in transformers 5.x (its own virtual environment, without dha_train) give the project's
 4.5x tokens, logits, attention weights and greedy generations, and 5.x's cached generate equals uncached decoding.
 
@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from composer.models import HuggingFaceModel
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import export_probe
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
 from dha_train.cli import main
+from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
 from dha_train.data.tokenizer import load_tokenizer
 from helpers import REPO, TINY_MAP
 
@@ -94,7 +95,12 @@ def trained_models(tmp_path: Path) -> dict[str, LlamaForCausalLM]:
     moh = tiny_llama(8, 8)
     MixtureOfHeads(router='learned', shared_heads=2, top_k=2).apply_surgery(moh)
     moh.config.moh_decode_merge_elements = 1
-    return {'dha': dha, 'moh': moh, 'gqa': tiny_llama(4, 2)}
+    # MLA from a GQA source: 1 of 4 RoPE pairs kept per K/V head, half the cache (plain SVD: no data needed)
+    tiny_llama(4, 2).save_pretrained(tmp_path / 'mla-source')
+    convert_to_mla(tmp_path / 'mla-source', tmp_path / 'mla-converted', MlaSettings(
+        cache_fraction=0.5, rope_pairs=1, pair_criterion='uniform', factorisation='weight', rank_step=1))
+    mla = AutoModelForCausalLM.from_pretrained(tmp_path / 'mla-converted').eval()
+    return {'dha': dha, 'moh': moh, 'gqa': tiny_llama(4, 2), 'mla': mla}
 
 
 def write_composer_checkpoint(model, tokenizer, path: Path) -> Path:
@@ -121,6 +127,7 @@ def test_exports_load_and_generate_alike_in_transformers_4_and_5(exports, tmp_pa
     assert json.loads((exports['dha'] / 'config.json').read_text())['model_type'] == 'dha_llama'
     assert json.loads((exports['moh'] / 'config.json').read_text())['model_type'] == 'moh_llama'
     assert json.loads((exports['gqa'] / 'config.json').read_text())['model_type'] == 'llama'
+    assert json.loads((exports['mla'] / 'config.json').read_text())['model_type'] == 'mla_llama'
     python = transformers5_python()
 
     env = {key: value for key, value in os.environ.items() if key not in ('PYTHONPATH', 'PYTHONHOME')}
@@ -140,7 +147,8 @@ def test_exports_load_and_generate_alike_in_transformers_4_and_5(exports, tmp_pa
     assert environment['torch_file'] == torch.__file__, environment  # the project's torch, not a second one
     assert not environment['dha_train_importable']
 
-    kv_heads = {'dha': TINY_MAP.kv_heads(), 'moh': [(8, 8)] * 2, 'gqa': [(2, 2)] * 2}
+    # MLA's cache: the latent in the key slot (one "head"), the rotated key dims of its 2 K/V heads in the value slot
+    kv_heads = {'dha': TINY_MAP.kv_heads(), 'moh': [(8, 8)] * 2, 'gqa': [(2, 2)] * 2, 'mla': [(1, 2)] * 2}
     for name, folder in exports.items():
         ours, theirs = export_probe.probe(str(folder), PROMPTS, NEW_TOKENS), new[name]
         if name != 'gqa':  # the modeling file copied into the folder, not dha_train's
@@ -155,7 +163,7 @@ def test_exports_load_and_generate_alike_in_transformers_4_and_5(exports, tmp_pa
         assert torch.equal(theirs['sequences'], theirs['argmax_sequences']), name
         assert torch.equal(ours['sequences'], ours['argmax_sequences']), name
         assert theirs['cache_heads'] == ours['cache_heads'] == kv_heads[name], name
-        if name == 'dha':  # refused with a ValueError that says why, in both versions
+        if name in ('dha', 'mla'):  # refused with a ValueError that says why, in both versions
             for refusal in (theirs['static_cache_sequences'], ours['static_cache_sequences']):
                 assert isinstance(refusal, str) and 'static' in refusal, refusal
         else:
