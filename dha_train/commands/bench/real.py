@@ -43,11 +43,10 @@ budget, the teacher as a reference line) and prints the table.
 Defaults (``--device auto`` picks cuda when there is one): on CPU 32,768 training tokens per method (16 batches of
 8 x 256), ``--limit 50``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
 256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
-Search 40 batches, 50 iterations. Measured on the 2-core machine under a load average of 7-9 (other jobs;
-2026-11-25): a training batch of 8 x 256 tokens 43-51 s; one row's evaluation at ``--limit 20`` with 8,192 held-out
-tokens 225-558 s; a training stage's fixed cost (trainer, checkpoint, export) about 15-30 s. From these the CPU
-default (13-15 evaluated rows, 8 training runs of 4 batches, align, the AsymGQA search) takes about 1.5 h at that
-load, half of it evaluation; less on a quiet machine. ``--limit`` and ``--tokens`` scale it.
+Search 40 batches, 50 iterations. Measured on the 2-core machine (2026-11-25, sharing the cores with other work for
+part of the run): a 16-batch CT stage 165-210 s, the aligned-GQA pruning stage (with its teacher) 447 s, one row's
+evaluation at ``--limit 50`` 68-155 s; the whole default run about 70 minutes of stage time. ``--limit`` and
+``--tokens`` scale it.
 """
 
 from __future__ import annotations
