@@ -4,6 +4,7 @@ as the GQA row it is compared with, and a budget that leaves no latent is refuse
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dha_train.commands.bench.mla import run_mla_bench
 from dha_train.config import ConfigError
@@ -21,6 +22,7 @@ def test_rows_time_every_attention_at_the_stated_cache(tmp_path):
             assert mla['cache_values_per_token'] == gqa['cache_values_per_token'] == 2 * groups * 8
             assert mla['us'] > 0 and gqa['us'] > 0
     assert (tmp_path / 'results.json').is_file()
+    assert torch.is_grad_enabled()  # the bench left the process's grad mode as it was
 
 
 def test_a_budget_without_room_for_the_latent_is_refused():

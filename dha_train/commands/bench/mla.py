@@ -99,8 +99,8 @@ def attention_rows(seq_lens: Sequence[int], heads: int = 32, head_dim: int = 64,
 
 
 def run_mla_bench(seq_lens: Sequence[int] = (512, 2048, 8192), out: str | None = None, **settings) -> dict:
-    torch.set_grad_enabled(False)
-    rows = attention_rows(seq_lens, **settings)
+    with torch.no_grad():  # a context, not set_grad_enabled: callers in the same process keep their grad mode
+        rows = attention_rows(seq_lens, **settings)
     print('one decode step\'s attention (batch 1, fp32, cold caches): time per call and ratio to MHA')
     print(f'  {"seq":>6} {"row":<10} {"cache numbers/token":>19} {"us":>9} {"x MHA":>7}')
     for row in rows:
