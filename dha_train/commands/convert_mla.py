@@ -97,9 +97,8 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     refuse_nonempty(out_dir, overwrite)
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     total_latent, source_values = latent_budget(config, settings)
-    model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
+    model, source = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
     dim, kv_heads = head_dim(config), config.num_key_value_heads
-    query_to_kv = [h // (config.num_attention_heads // kv_heads) for h in range(config.num_attention_heads)]
 
     calibration = None
     if settings.data is not None:
@@ -117,7 +116,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         scores = None
         if settings.pair_criterion == 'norm':
             scores = rope_pair_scores(calibration.layer(index, 'query').sample, calibration.layer(index, 'key').sample,
-                                      dim, query_to_kv)
+                                      dim, source.layers[index].key)  # each query head's K/V head
         kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores))
         covariance = None
         if settings.factorisation == 'activation':
