@@ -13,6 +13,7 @@ import gc
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from composer.core import Time
@@ -139,14 +140,14 @@ def train_tokens(config: TrainConfig, seq_len: int) -> int:
 
 
 def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int, eval_every: int,
-             seq_len: int) -> dict:
-    """Continued pre-training of an HF folder with ``yamls/gqa/tiny_ct.yaml`` on ``data`` for ``batches``, started
+             seq_len: int, recipe: str = 'gqa/tiny_ct.yaml', overrides: Sequence[str] = ()) -> dict:
+    """Continued pre-training of an HF folder with ``recipe`` (a tiny CT recipe) on ``data`` for ``batches``, started
     fresh (a measurement never autoresumes a stale run): its validation curve, final loss and tokens."""
     shutil.rmtree(work / name, ignore_errors=True)
-    _, config, history = train_stage('gqa/tiny_ct.yaml', [
+    _, config, history = train_stage(recipe, [
         f'variables.model_path={model}', f'variables.data_root={data}', f'variables.save_root={work}',
-        f'run_name={name}', f'max_duration={batches}ba', f'eval_interval={eval_every}ba', 'save_interval=100000ba'],
-        None)
+        f'run_name={name}', f'max_duration={batches}ba', f'eval_interval={eval_every}ba', 'save_interval=100000ba',
+        *overrides], None)
     if not history['eval']:
         raise RuntimeError(f'{name}: no evaluation was logged')
     return {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'],

@@ -55,6 +55,12 @@ class MlaSettings:
     device: str = 'cpu'
 
 
+def default_rope_pairs(dims_per_head: int) -> int:
+    """RoPE pairs the benches keep rotated per K/V head: an eighth of the pairs (SmolLM2's 64-dim heads: 4 of 32,
+    i.e. 8 rotated dims, as MHA2MLA's small settings), at least one."""
+    return max(1, dims_per_head // 16)
+
+
 def check_settings(settings: MlaSettings) -> None:
     if not 0 < settings.cache_fraction <= 1:
         raise ConfigError(f'mla: --cache-fraction must be in (0, 1], got {settings.cache_fraction}')

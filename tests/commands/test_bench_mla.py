@@ -28,3 +28,37 @@ def test_rows_time_every_attention_at_the_stated_cache(tmp_path):
 def test_a_budget_without_room_for_the_latent_is_refused():
     with pytest.raises(ConfigError, match='leave no latent'):
         run_mla_bench(seq_lens=[16], heads=4, head_dim=8, kv_heads=[1], kv_source=4, rope_pairs=2, calls=1, repeats=1, cold_bytes=2 ** 16)
+
+
+@pytest.mark.slow
+def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp_path, data_root, tokenizer_dir):
+    """The MLA rows of `bench conversion`: each conversion caches exactly the bytes of 1 K/V head in 4 (the GQA row's),
+    and the default conversion trains, with and without distillation from the teacher, from the same start."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dha_train.commands.bench.conversion import mla_rows
+    from dha_train.methods import kv_cache_bytes
+    from dha_train.stages import SEQ_LEN as BENCH_SEQ_LEN
+    from helpers import SEQ_LEN
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ_LEN)
+    teacher = tmp_path / 'teacher'
+    LlamaForCausalLM(config).save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(teacher)
+    gqa_bytes = kv_cache_bytes(LlamaConfig(**{**config.to_dict(), 'num_key_value_heads': 1}), seq_len=1)
+
+    saved = []
+    rows = mla_rows(teacher, data_root, tmp_path / 'work', 0.25, batches=6, seed=0,
+                    variants=['default', 'weight SVD'], save=lambda: saved.append(1))
+    assert [row['variant'] for row in rows] == ['default', 'default, distilled', 'weight SVD'] and len(saved) == 3
+    for row in rows:
+        assert row['kv_bytes_per_token'] == gqa_bytes == 2 * 2 * 2 * 16  # 2 layers, K+V, 16 dims, 2 bytes
+        assert row['fraction_of_source'] == 0.25
+    default, distilled, weight = rows
+    assert weight['settings']['factorisation'] == 'weight' and weight['after_training'] is None
+    assert distilled['after_conversion'] == default['after_conversion']
+    assert default['tokens'] == distilled['tokens'] == 6 * 16 * BENCH_SEQ_LEN  # the quickstart data's length
+    assert default['after_training'] < default['after_conversion'] - 0.1  # from a random model: CT must help
+    assert distilled['after_training'] != default['after_training']  # the teacher's loss changed the updates

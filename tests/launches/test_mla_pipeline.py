@@ -1,6 +1,7 @@
 """MLA end to end: launch/mla.sh converts a tiny GQA LLaMA to multi-head latent attention (calibrated, half its
-cache), continues pre-training with 2 processes (FSDP2, gloo), and the export loads with trust_remote_code in a
-process without dha_train, giving the logits the project's class gives."""
+cache), continues pre-training with 2 processes (FSDP2, gloo) with distillation from the source (the optional part:
+the teacher is sharded next to the MLA student), and the export loads with trust_remote_code in a process without
+dha_train, giving the logits the project's class gives."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_convert_then_ct_with_two_processes_then_export_loads_without_the_packag
     save_root = tmp_path / 'runs'
     done = subprocess.run(
         ['bash', 'launch/mla.sh', str(source), '0.5', str(data_root), str(save_root), '2', 'yamls/mla/tiny_ct.yaml',
-         'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
+         'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba', 'console_log_interval=4ba',
+         f'algorithms.distillation.teacher_path={source}', 'algorithms.distillation.lm_weight=1.0'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
@@ -42,6 +44,8 @@ def test_convert_then_ct_with_two_processes_then_export_loads_without_the_packag
     assert cached <= 0.5 * 2 * 2 * 4 * 8
     evals = [float(x) for x in re.findall(r'metrics/eval_github/LanguageCrossEntropy: ([0-9.]+)', log)]
     assert len(evals) == 2 and all(math.isfinite(v) for v in evals) and evals[1] < evals[0], evals
+    kl = [float(x) for x in re.findall(r'distill/kl: ([0-9.e+-]+)', log)]
+    assert kl and all(math.isfinite(v) and v >= 0 for v in kl), log[-4000:]
 
     exported = export_hf(save_root / 'tiny-gqa-mla0.5-ct', tmp_path / 'hf')
     model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()

@@ -1,7 +1,7 @@
 """`dha-train bench ...`: the benchmarks, each printing ratios measured in one run (CPU timings are noisy).
 
 - ``throughput``: training tokens/s, 1 process against 2 with FSDP2;
-- ``conversion``: DHA against mean-pool GQA, aligned GQA and AsymGQA on the quickstart teacher;
+- ``conversion``: DHA against mean-pool GQA, aligned GQA, AsymGQA and MLA on the quickstart teacher;
 - ``moh``: MoH decode attention and decode tokens/s against MHA, and continue-tuning the quickstart teacher;
 - ``search``: activation similarity and grouping at LLaMA-2-7B geometry;
 - ``load``: peak host memory per rank of loading a pretrained model under FSDP2, every rank against rank 0 alone;
@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help='sub-group sizes of the progressive fusion compared with one-stage fusion (default 2)')
     conversion.add_argument('--sections', nargs='+', default=list(CONVERSION_SECTIONS), choices=CONVERSION_SECTIONS,
                             help='dha: DHA vs GQA (tokens to match, equal budgets, step times, progressive fusion); '
-                                 'aligned: aligned GQA cos/dist x key/value; asym: AsymGQA (default: all)')
+                                 'aligned: aligned GQA cos/dist x key/value; asym: AsymGQA; mla: MLA at the GQA '
+                                 'rows\' cache bytes, trained with and without distillation, and one-choice '
+                                 'variants at 0 tokens (default: all)')
     add_teacher_argument(conversion)
     conversion.set_defaults(func=run_conversion)
     moh = bench.add_parser('moh', help='MoH: decode attention time and decode tokens/s at 90/75/50%% active heads '

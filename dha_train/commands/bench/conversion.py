@@ -18,8 +18,14 @@ Fusion -> CT and the GQA conversion. Then, in the same process:
 7. AsymGQA (seed 004): the asymmetric search (unequal groups) mean-pooled, and after CT (``yamls/gqa/tiny_ct.yaml``)
    of the same tokens; the symmetric search (equal groups) right after conversion.
 
-``sections`` picks which of these run: 'dha' (1-5), 'aligned' (6), 'asym' (7). Every method gets the same teacher,
-the same 25% K+V budget and the same number of training tokens. Prints a table and writes results.json in ``out``
+8. MLA (``convert --method mla``) at the GQA rows' cache bytes: the default conversion (2-norm RoPE pairs, an eighth
+   of each head's pairs kept; activation-aware joint K/V latent; ranks from the spectra), right after conversion,
+   after CT (``yamls/mla/tiny_ct.yaml``) and after the same CT with KL + BiLD distillation from the teacher, both of
+   the same tokens; then one conversion per changed choice (plain weight SVD, uniform pairs, uniform ranks, no K/V
+   balance, twice the RoPE pairs), right after conversion only.
+
+``sections`` picks which of these run: 'dha' (1-5), 'aligned' (6), 'asym' (7), 'mla' (8). Every method gets the same
+teacher, the same 25% K+V budget (in cache bytes per token) and the same number of training tokens. Prints a table and writes results.json in ``out``
 (default <run>/bench_conversion).
 """
 
@@ -31,16 +37,21 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
 from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.commands.convert import convert_checkpoint
+from dha_train.commands.convert_mla import MlaSettings, convert_to_mla, default_rope_pairs
 from dha_train.commands.quickstart import run_quickstart
 from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
 from dha_train.export import export_hf
+from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
+from dha_train.models.llama_layout import head_dim
 from dha_train.stages import (
     DHA_NAME,
     DONE_MARKER,
@@ -54,7 +65,7 @@ from dha_train.stages import (
 )
 
 BATCH = 16  # the tiny recipes' global batch
-SECTIONS = ('dha', 'aligned', 'asym')
+SECTIONS = ('dha', 'aligned', 'asym', 'mla')
 ALIGNED_VARIANTS = (('cos', 'key'), ('cos', 'value'), ('dist', 'key'), ('dist', 'value'))
 
 
@@ -125,6 +136,54 @@ def _asym_gqa(run: Path, work: Path, kv_heads: int, batches: int | None, symmetr
     return {**row, 'after_conversion': ct['curve'][0][1], 'after_training': ct['final'], 'tokens': ct['tokens']}
 
 
+def mla_variants(rope_pairs: int) -> list[tuple[str, dict]]:
+    """(name, MlaSettings changes) of the MLA rows: the default conversion first, then one choice changed each."""
+    return [('default', {}), ('weight SVD', {'factorisation': 'weight'}), ('uniform pairs', {'pair_criterion': 'uniform'}),
+            ('uniform ranks', {'ranks': 'uniform'}), ('no balance', {'balance': False}),
+            (f'{2 * rope_pairs} RoPE pairs', {'rope_pairs': 2 * rope_pairs})]
+
+
+def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: int | None, seed: int,
+             eval_every: int | None = None, variants: Sequence[str] | None = None, into: list | None = None,
+             save=lambda: None) -> list[dict]:
+    """MLA conversions of ``teacher`` at ``fraction`` of its K+V cache, calibrated on ``data``: every variant's loss
+    right after conversion; the default's after CT of ``batches`` (None: none), with and without distillation from
+    the teacher. ``variants`` picks by name (default: all). Rows are appended to ``into`` (and ``save`` called) as
+    they come."""
+    pairs = default_rope_pairs(head_dim(AutoConfig.from_pretrained(teacher, local_files_only=True)))
+    rows = [] if into is None else into
+    for name, change in mla_variants(pairs):
+        if variants is not None and name not in variants:
+            continue
+        print(f'[bench] MLA ({name}): convert at {fraction:.4g} of the K+V cache ...', flush=True)
+        folder = work / f'bench-mla-{name.replace(" ", "-")}'
+        settings = MlaSettings(**{'cache_fraction': fraction, 'rope_pairs': pairs, 'data': str(data), 'rank_step': 1,
+                                  'seed': seed, **change})
+        report = convert_to_mla(teacher, folder, settings, overwrite=True)
+        mla_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        row = {'variant': name, 'settings': {k: v for k, v in vars(settings).items() if k != 'data'},
+               'ranks': report['ranks'], 'fraction_of_source': report['fraction_of_source'],
+               'kv_bytes_per_token': kv_cache_bytes(mla_config, seq_len=1), 'after_training': None, 'tokens': 0}
+        if name != 'default' or batches is None:
+            rows.append({**row, 'after_conversion': validation_loss(data, folder)})
+            save()
+            continue
+        every = eval_every or batches
+        plain = ct_curve(data, work, folder, 'bench-mla-ct', batches, every, SEQ_LEN, recipe='mla/tiny_ct.yaml')
+        rows.append({**row, 'after_conversion': plain['curve'][0][1], 'after_training': plain['final'],
+                     'tokens': plain['tokens'], 'curve': plain['curve']})
+        save()
+        print(f'[bench] MLA ({name}): CT with distillation from the teacher ({batches} batches) ...', flush=True)
+        distilled = ct_curve(data, work, folder, 'bench-mla-distill', batches, every, SEQ_LEN,
+                             recipe='mla/tiny_ct.yaml', overrides=[f'algorithms.distillation.teacher_path={teacher}',
+                                                                   'algorithms.distillation.top_k=16'])
+        rows.append({**row, 'variant': 'default, distilled', 'after_conversion': plain['curve'][0][1],
+                     'after_training': distilled['final'], 'tokens': distilled['tokens'],
+                     'curve': distilled['curve']})
+        save()
+    return rows
+
+
 def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | None = None, gqa_multiple: float = 5.0,
                          eval_every: int = 10, timing_batches: int = 20, repeats: int = 3, seed: int = 17,
                          teacher: Sequence[str] = (), progressive_sizes: Sequence[int] = (2,),
@@ -177,6 +236,13 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
                   + ('' if batches is None else f', CT ({batches} batches)') + ' ...', flush=True)
             results['asym_gqa'].append(_asym_gqa(run, work, num_groups, batches, symmetric, seed))
             save()
+    if 'mla' in sections:
+        gqa_config = AutoConfig.from_pretrained(stages['gqa_convert']['hf_folder'], local_files_only=True)
+        teacher_config = AutoConfig.from_pretrained(run / 'export' / 'hf', local_files_only=True)
+        results['gqa_kv_bytes_per_token'] = kv_cache_bytes(gqa_config, seq_len=1)
+        results['mla'] = []  # filled row by row, so that save() keeps what was measured
+        mla_rows(run / 'export' / 'hf', run / 'data', work, num_groups / teacher_config.num_key_value_heads,
+                 budget_batches, seed, into=results['mla'], save=save)
     _print_method_table(results, stages)
     save()
     print(f'  results.json in {work}')
@@ -195,6 +261,9 @@ def _print_method_table(results: dict, stages: dict) -> None:
     for row in results.get('asym_gqa', []):
         sizes = sorted({size for layer in row['group_sizes'] for size in layer})
         rows.append((f'{"Sym" if row["symmetric"] else "Asym"}GQA (group sizes {sizes})', row['after_conversion'],
+                     row['after_training']))
+    for row in results.get('mla', []):
+        rows.append((f'MLA, {row["variant"]} ({row["kv_bytes_per_token"]} B/token)', row['after_conversion'],
                      row['after_training']))
     print()
     print(f'  every method at 25% K+V; "after training": {tokens:,} tokens (DHA\'s fusion + CT)')

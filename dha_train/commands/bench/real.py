@@ -68,7 +68,7 @@ from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.commands.convert import convert_checkpoint
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
+from dha_train.commands.convert_mla import MlaSettings, convert_to_mla, default_rope_pairs
 from dha_train.commands.evaluate import run_eval
 from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
@@ -530,7 +530,7 @@ class _Bench:
         s = self.settings
         name = f'mla-{budget}'
         fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
-        pairs = mla_rope_pairs(self.source_map.head_dim)
+        pairs = default_rope_pairs(self.source_map.head_dim)
 
         def convert(out: Path) -> dict:
             report = convert_to_mla(self.source, out / 'hf', MlaSettings(
@@ -574,12 +574,6 @@ class _Bench:
         trained = _run_stage(self.runs, f'{name}-continue', tune)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **setting)
-
-
-def mla_rope_pairs(head_dim: int) -> int:
-    """RoPE pairs an MLA row keeps rotated per K/V head: an eighth of the pairs (SmolLM2's 64-dim heads: 4 of 32,
-    i.e. 8 rotated dims, as MHA2MLA's small settings), at least one."""
-    return max(1, head_dim // 16)
 
 
 def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k: int) -> Path:
