@@ -216,6 +216,11 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
                      budget_batches, SEQ_LEN)
     results['equal_budget'] = {'tokens': equal['tokens'], 'dha_after_ct': dha_ct['final']['mean'],
                                'gqa_after_ct': equal['final']}
+    # DHA's 0-token point: Fusion starts with every query head reading its own head, which bakes to the mean of each
+    # Search group, i.e. the Search's head map mean-pooled.
+    dha_start = convert_checkpoint(run / 'export' / 'hf', work / 'bench-dha-at-0',
+                                   HeadMap.load(Path(stages['dha_search']['head_map'])), overwrite=True)
+    results['dha_at_zero_tokens'] = validation_loss(run / 'data', dha_start)
     save()
     if 'dha' in sections:
         _dha_section(run, work, stages, results, save, equal, gqa_multiple, eval_every, timing_batches, repeats,
@@ -254,6 +259,7 @@ def _print_method_table(results: dict, stages: dict) -> None:
     tokens = results['equal_budget_tokens']
     rows = [('GQA mean-pool (neighbour groups)', stages['gqa_ct']['initial']['mean'],
              results['equal_budget']['gqa_after_ct']),
+            ('DHA at 0 tokens (Search groups mean-pooled)', results['dha_at_zero_tokens'], None),
             ('DHA (fusion, then CT)', stages['dha_ct']['initial']['mean'], stages['dha_ct']['final']['mean'])]
     for row in results.get('aligned_gqa', []):
         rows.append((f'aligned GQA {row["criterion"]}, by {row["group_by"]}', row['after_conversion'],
