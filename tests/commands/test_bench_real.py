@@ -91,6 +91,9 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     # AsymGQA with one group per layer is the mean-pool model: the row says so and reuses its figures
     asym1 = rows['AsymGQA kv1 +CT']
     assert asym1['same_as'] == 'mean-pool kv1 +CT' and asym1['val_loss'] == rows['mean-pool kv1 +CT']['val_loss']
+    # DHA's 0-token point is its Search map mean-pooled: at kv1 that is the mean-pool model
+    assert rows['DHA kv1 @0']['same_as'] == 'mean-pool kv1 @0' and rows['DHA kv2 @0']['tokens'] == 0
+    assert rows['DHA kv2 @0']['kv_bytes'] == expected['kv2']
 
     # the teacher's accuracy, computed independently of lm-eval, on the same first `limit` documents
     acc, acc_norm = _local_task_accuracy(source, task, limit)

@@ -25,8 +25,9 @@ Fusion -> CT and the GQA conversion. Then, in the same process:
    balance, twice the RoPE pairs), right after conversion only.
 
 ``sections`` picks which of these run: 'dha' (1-5), 'aligned' (6), 'asym' (7), 'mla' (8). Every method gets the same
-teacher, the same 25% K+V budget (in cache bytes per token) and the same number of training tokens. Prints a table and writes results.json in ``out``
-(default <run>/bench_conversion).
+teacher, the same 25% K+V budget (in cache bytes per token) and the same number of training tokens; DHA's 0-token
+point is its Search's groups mean-pooled (what Fusion starts from). Prints a table and writes results.json in
+``out`` (default <run>/bench_conversion).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
 - DHA: Search (``yamls/real/dha_search.yaml``: ``head_fusion`` warmup_groups=1 + ``head_search`` with kv_budget a
   fraction of the source's K+V heads; at 1/3 the DP has one solution, one head each, so the Search is skipped and
   recorded so), Fusion until L_fusion < threshold or the whole token budget is spent (``yamls/real/fusion.yaml``),
-  baked; then CT for the rest of the budget. The first point is after fusion: its tokens count as training tokens;
+  baked; then CT for the rest of the budget. The 0-token point is the Search's groups mean-pooled (what Fusion
+  starts from: every query head reads its own head, which bakes to the group mean); the next is after fusion,
+  whose tokens count as training tokens;
 - MLA: ``convert --method mla`` at the budget's cache bytes (4 of 32 RoPE pairs per K/V head kept, pairs by the
   calibrated 2-norm criterion, activation-aware joint K/V latent, ranks from the spectra), then CT;
 - MoH at 7 of 9 active heads (4 shared + top 3 of 5 routed, 77.8%: 75% of 9 is not whole, 7/9 is the nearest),
@@ -485,6 +487,7 @@ class _Bench:
                     'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
 
         found = _run_stage(self.runs, f'{name}-search', search)
+        self._dha_start(name, budget, found)
         margin = max(1, self.batches // 4)
 
         def fusion(out: Path) -> dict:
@@ -523,6 +526,23 @@ class _Bench:
         trained = _run_stage(self.runs, f'{name}-ct', ct)
         self.evaluate(f'DHA {budget} +CT', 'dha', budget, trained['hf_folder'], fused['tokens'] + trained['tokens'],
                       seconds + trained['seconds'], ct_tokens=trained['tokens'], **extra)
+
+    def _dha_start(self, name: str, budget: str, found: dict) -> None:
+        """DHA at 0 tokens: Fusion's start bakes to the mean of each Search group, so it is the Search's map
+        mean-pooled; when that map is mean-pool's own, the mean-pool row is the same model and is reused."""
+        head_map = HeadMap.load(found['head_map'])
+        label = f'DHA {budget} @0'
+        pooled = HeadMap.pooled(self.source_map, _heads(budget)).source_partitions(self.source_map)
+        same = [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget
+                and row['tokens'] == 0]
+        if _same_partitions(head_map.source_partitions(self.source_map), pooled) and same:
+            self.rows.append({**same[0], 'label': label, 'method': 'dha', 'same_as': same[0]['label'],
+                              'note': 'the Search\'s map is the mean-pool map: the same model at 0 tokens'})
+            return
+        converted = _run_stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
+            self.source, out / 'hf', head_map, overwrite=True))})
+        self.evaluate(label, 'dha', budget, converted['hf_folder'], 0, found['seconds'] + converted['seconds'],
+                      kv_heads_per_layer=found['kv_heads'])
 
     def mla(self, budget: str) -> None:
         """MLA at the same cache bytes as the budget's GQA rows: RoPE pairs by the calibrated 2-norm criterion, the
