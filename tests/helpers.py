@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import wandb
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
@@ -130,6 +130,18 @@ def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return latest_checkpoint_batch(save_folder)
+
+
+def save_tiny_llama(folder: Path, tokenizer_dir: Path, seed: int = 0, **config) -> LlamaConfig:
+    """A random LLaMA of the test vocabulary (hidden 64, 2 layers, 8 heads unless ``config`` says otherwise) saved
+    with the session's tokenizer as an HF folder; returns its config."""
+    torch.manual_seed(seed)
+    llama = LlamaConfig(**{'vocab_size': 384, 'hidden_size': 64, 'intermediate_size': 128, 'num_hidden_layers': 2,
+                           'num_attention_heads': 8, 'num_key_value_heads': 8, 'max_position_embeddings': SEQ_LEN,
+                           **config})
+    LlamaForCausalLM(llama).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return llama
 
 
 def launcher_env(port: int | None = None, **extra: str) -> dict[str, str]:

@@ -34,19 +34,15 @@ def test_a_budget_without_room_for_the_latent_is_refused():
 def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp_path, data_root, tokenizer_dir):
     """The MLA rows of `bench conversion`: each conversion caches exactly the bytes of 1 K/V head in 4 (the GQA row's),
     and the default conversion trains, with and without distillation from the teacher, from the same start."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from dha_train.commands.bench.conversion import mla_rows
     from dha_train.methods import kv_cache_bytes
     from dha_train.stages import SEQ_LEN as BENCH_SEQ_LEN
-    from helpers import SEQ_LEN
+    from helpers import save_tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ_LEN)
     teacher = tmp_path / 'teacher'
-    LlamaForCausalLM(config).save_pretrained(teacher)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(teacher)
+    config = save_tiny_llama(teacher, tokenizer_dir, num_attention_heads=4, num_key_value_heads=4)
     gqa_bytes = kv_cache_bytes(LlamaConfig(**{**config.to_dict(), 'num_key_value_heads': 1}), seq_len=1)
 
     saved = []

@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, SEQ_LEN, launcher_env
+from helpers import REPO, launcher_env, save_tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -19,12 +19,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tokenizer_dir):
     from dha_train.export import export_hf
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ_LEN)
     mha_dir = tmp_path / 'tiny-mha'
-    LlamaForCausalLM(config).save_pretrained(mha_dir)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(mha_dir)
+    save_tiny_llama(mha_dir, tokenizer_dir)
 
     env = launcher_env()
     save_root = tmp_path / 'runs'

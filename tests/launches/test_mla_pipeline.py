@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from helpers import REPO, SEQ_LEN, launcher_env, logits_without_dha_train
+from helpers import REPO, launcher_env, logits_without_dha_train, save_tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -21,12 +21,8 @@ def test_convert_then_ct_with_two_processes_then_export_loads_without_the_packag
                                                                                    tokenizer_dir):
     from dha_train.export import export_hf
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ_LEN)
     source = tmp_path / 'tiny-gqa'
-    LlamaForCausalLM(config).save_pretrained(source)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(source)
+    save_tiny_llama(source, tokenizer_dir, num_key_value_heads=4)
 
     env = launcher_env(MLA_ARGS='--rope-pairs 1 --tokens 512 --batch-size 4 --rank-step 4')
     save_root = tmp_path / 'runs'
