@@ -274,10 +274,12 @@ def _print_method_table(results: dict, stages: dict) -> None:
                      row['after_training']))
     print()
     print(f'  every method at 25% K+V; "after training": {tokens:,} tokens (DHA\'s fusion + CT)')
-    print(f'  {"method":<40} {"after conversion":>17} {"after training":>15}')
+    print(f'  {"method":<44} {"after conversion":>17} {"after training":>15}')
     for name, converted, trained in rows:
-        print(f'  {name:<40} {converted:>17.4f} ' + (f'{trained:>15.4f}' if trained is not None else f'{"-":>15}'))
+        print(f'  {name:<44} {converted:>17.4f} ' + (f'{trained:>15.4f}' if trained is not None else f'{"-":>15}'))
     print('  (after conversion: DHA after fusion; aligned GQA: the aligned model mean-pooled to its groups)')
+    if 'gqa_kv_bytes_per_token' in results:
+        print(f'  KV cache of the GQA-shaped rows: {results["gqa_kv_bytes_per_token"]} B/token in bf16, as every MLA row')
 
 
 def _dha_section(run: Path, work: Path, stages: dict, results: dict, save, equal: dict, gqa_multiple: float,
