@@ -2,10 +2,10 @@
 
 For each layer and each recorded kind (``key``: k_proj output before RoPE, ``value``: v_proj output, ``output``:
 the per-head attention output entering o_proj, ``query``: q_proj output before RoPE, ``input``: the normed hidden
-state entering the K/V projections, one "head" of the hidden size) it accumulates a ``RunningGram`` (sum of x x^T over tokens, the sum of
-x and the count; every cross-covariance between two heads is a block of it) and, optionally, a uniform random sample
-of token rows for the measures that are quadratic in tokens (AsymGQA Eq. 1). Memory is bounded by the layer widths
-and the sample size, never by N. The same tokens are sampled for every layer and kind.
+state entering the K/V projections, one "head" of the hidden size) it accumulates a ``RunningGram`` (sum of x x^T
+over tokens, the sum of x and the count; every cross-covariance between two heads is a block of it) and,
+optionally, a uniform random sample of token rows for the measures that are quadratic in tokens (AsymGQA Eq. 1).
+Memory is bounded by the layer widths and the sample size, never by N. The same tokens are sampled for every layer and kind.
 """
 
 from __future__ import annotations

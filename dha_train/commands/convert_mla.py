@@ -27,7 +27,7 @@ from dha_train.ops.mla import (
     cache_values_per_token,
     joint_latent_rows,
     kept_rope_pairs,
-    latent_spectrum,
+    latent_energies,
     mla_layer_weights,
     rope_pair_scores,
 )
@@ -138,7 +138,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         for index, attention in enumerate(layers):
             rows, scales = joint_latent_rows(attention.k_proj.weight.detach(), attention.v_proj.weight.detach(),
                                              kept[index], dim, covariances[index], settings.balance)
-            spectra.append(latent_spectrum(rows, covariances[index], scales)[0])
+            spectra.append(latent_energies(rows, covariances[index], scales))
         step = settings.rank_step
         try:
             ranks = allocate_latent_ranks(spectra, total_latent // step * step, step=step)

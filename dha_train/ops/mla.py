@@ -125,10 +125,10 @@ def _energy(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor
     return torch.einsum('ij,jk,ik->', rows, covariance.double(), rows)
 
 
-def latent_spectrum(weight: torch.Tensor, covariance: torch.Tensor | None = None,
-                    row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(eigenvalues descending, eigenvectors as columns) of ``S W C W^T S`` in float64: the energy each latent
-    direction carries; ``S = diag(row_scale)`` (1 without one), ``C = I`` without a covariance."""
+def _latent_gram(weight: torch.Tensor, covariance: torch.Tensor | None,
+                 row_scale: torch.Tensor | None) -> torch.Tensor:
+    """``S W C W^T S`` in float64, symmetrised; ``S = diag(row_scale)`` (1 without one), ``C = I`` without a
+    covariance."""
     scaled = weight.double() if row_scale is None else weight.double() * row_scale.double().unsqueeze(1)
     if covariance is None:
         gram = scaled @ scaled.T
@@ -136,8 +136,22 @@ def latent_spectrum(weight: torch.Tensor, covariance: torch.Tensor | None = None
         if tuple(covariance.shape) != (weight.shape[1], weight.shape[1]):
             raise ValueError(f'covariance must be ({weight.shape[1]}, {weight.shape[1]}), got {tuple(covariance.shape)}')
         gram = scaled @ covariance.double() @ scaled.T
-    values, vectors = torch.linalg.eigh((gram + gram.T) / 2)
+    return (gram + gram.T) / 2
+
+
+def latent_spectrum(weight: torch.Tensor, covariance: torch.Tensor | None = None,
+                    row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eigenvalues descending, eigenvectors as columns) of ``S W C W^T S`` (``_latent_gram``) in float64: the
+    energy each latent direction carries, and the directions."""
+    values, vectors = torch.linalg.eigh(_latent_gram(weight, covariance, row_scale))
     return values.flip(0).clamp_min(0.0), vectors.flip(1)
+
+
+def latent_energies(weight: torch.Tensor, covariance: torch.Tensor | None = None,
+                    row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The eigenvalues of ``latent_spectrum``, descending, without the eigenvectors (cheaper): what the rank
+    allocation needs before any layer is factored."""
+    return torch.linalg.eigvalsh(_latent_gram(weight, covariance, row_scale)).flip(0).clamp_min(0.0)
 
 
 def latent_factors(weight: torch.Tensor, rank: int, covariance: torch.Tensor | None = None,
@@ -205,7 +219,7 @@ def joint_latent_rows(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs
                       covariance: torch.Tensor | None = None,
                       balance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the rows the latent factors: per head the position-free key rows, then the value rows, in float64; their
-    balance scales or None). ``latent_spectrum(rows, covariance, scales)`` is the layer's spectrum."""
+    balance scales or None). ``latent_energies(rows, covariance, scales)`` is the layer's spectrum."""
     key_nope = k_weight.double()[head_rows(nope_dims(kept_pairs, head_dim), head_dim)]
     scales = balance_scales(key_nope, v_weight, covariance) if balance and key_nope.shape[0] else None
     return torch.cat([key_nope, v_weight.double()]), scales

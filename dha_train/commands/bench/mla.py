@@ -9,8 +9,8 @@ cached positions. Rows:
   output mixed in the latent) at the same cache numbers per token as ``gqa<G>``: ``rope_pairs`` rotated pairs per
   K/V head of a GQA-``kv_source`` source, the rest of the budget as the latent rank.
 
-The caches are cycled through copies (``cold_bytes``, default ``COLD_BYTES``, in all, as ``bench moh`` does) so they come from memory, as in
-a real decode over many layers. Median over ``repeats`` interleaved rounds of ``calls`` calls; ratios to MHA from the
+The caches are cycled through copies (``cold_bytes`` in all, default ``COLD_BYTES``, as ``bench moh`` does) so
+they come from memory, as in a real decode over many layers. Median over ``repeats`` interleaved rounds of ``calls`` calls; ratios to MHA from the
 same round. MLA reads as few bytes as the GQA row of its budget but does ``heads x rank`` multiply-adds per cached
 token for the scores and as many for the output (GQA: ``heads x head_dim``), so the ratio shows which bound the
 hardware hits; on a GPU the balance differs from this CPU's.
@@ -41,6 +41,7 @@ def _mla_attention(heads: int, head_dim: int, kv_heads: int, rope_pairs: int, ra
 def attention_rows(seq_lens: Sequence[int], heads: int = 32, head_dim: int = 64, kv_heads: Sequence[int] = (8, 2),
                    kv_source: int = 8, rope_pairs: int = 4, calls: int = 20, repeats: int = 5,
                    seed: int = 0, cold_bytes: int = COLD_BYTES) -> list[dict]:
+    """The timed rows, every seq and row; to be run under ``torch.no_grad()`` (``run_mla_bench`` does)."""
     if any(heads % g for g in [*kv_heads, kv_source]):
         raise ConfigError(f'bench mla: K/V head counts {list(kv_heads)} and {kv_source} must divide {heads} heads')
     generator = torch.Generator().manual_seed(seed)
@@ -74,18 +75,16 @@ def attention_rows(seq_lens: Sequence[int], heads: int = 32, head_dim: int = 64,
             if rank < 1:
                 raise ConfigError(f'bench mla: GQA-{groups} bytes leave no latent after {rope_pairs} pairs of '
                                   f'{kv_source} heads')
-            with torch.no_grad():
-                attention = _mla_attention(heads, head_dim, kv_source, rope_pairs, rank)
+            attention = _mla_attention(heads, head_dim, kv_source, rope_pairs, rank)
             nope = head_dim - 2 * rope_pairs
             query_nope, query_rope = query[..., :nope].contiguous(), query[..., nope:].contiguous()
             caches = copies_of((1, 1, seq, rank), (1, kv_source, seq, 2 * rope_pairs))
 
             def mla(attention=attention, caches=caches, query_nope=query_nope, query_rope=query_rope):
                 start = time.perf_counter()
-                with torch.no_grad():
-                    for call in range(calls):
-                        latent, key_rope = caches[call % len(caches)]
-                        attention.latent_attention(query_nope, query_rope, latent, key_rope, None)
+                for call in range(calls):
+                    latent, key_rope = caches[call % len(caches)]
+                    attention.latent_attention(query_nope, query_rope, latent, key_rope, None)
                 return (time.perf_counter() - start) / calls
             timers[f'mla@gqa{groups}'] = mla
             cache_values[f'mla@gqa{groups}'] = rank + kv_source * 2 * rope_pairs
