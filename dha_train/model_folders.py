@@ -1,0 +1,90 @@
+"""Check a Hugging Face model folder before anything loads it, so a bad folder is one line naming what is wrong.
+
+Every command that takes a model folder (convert, refit, search, align, eval, and training from
+``model.pretrained_path``) calls ``check_model_folder`` first. It catches, without reading the tensors:
+
+- no ``config.json``, or one that is not JSON;
+- a config of another architecture (not LLaMA nor one of this project's LLaMA variants);
+- no weights beside the config;
+- a truncated or unreadable safetensors file (an interrupted copy): the header is parsed and the file must be as
+  long as the header says;
+- a sharded index (``*.safetensors.index.json`` / ``pytorch_model.bin.index.json``) naming a shard that is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from dha_train.errors import DhaTrainError, InputNotFoundError
+
+# LLaMA and this project's variants (DHA/AsymGQA, MoH, MLA); a fused-checkpoint `dha_llama` is a DHA model too.
+LLAMA_MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama')
+_SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
+_INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
+
+
+class ModelFolderError(DhaTrainError, ValueError):
+    """A model folder that cannot be loaded: the message names the folder and what is wrong."""
+
+
+def _check_safetensors(path: Path, folder: Path) -> None:
+    size = path.stat().st_size
+    try:
+        with path.open('rb') as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise ModelFolderError(f'{folder}: {path.name} is truncated ({size} bytes, no safetensors header)')
+            (header_size,) = struct.unpack('<Q', head)
+            if header_size > size - 8:
+                raise ModelFolderError(f'{folder}: {path.name} is truncated or not a safetensors file (its header '
+                                       f'claims {header_size} bytes, the file has {size})')
+            header = json.loads(handle.read(header_size))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFolderError(f'{folder}: {path.name} is unreadable as safetensors ({exc})') from exc
+    end = max((entry['data_offsets'][1] for name, entry in header.items() if name != '__metadata__'), default=0)
+    expected = 8 + header_size + end
+    if size < expected:
+        raise ModelFolderError(f'{folder}: {path.name} is truncated ({size:,} of {expected:,} bytes; an interrupted '
+                               'copy?)')
+
+
+def check_model_folder(folder: str | Path, *, who: str, model_types: tuple[str, ...] = LLAMA_MODEL_TYPES) -> dict:
+    """The folder's config as a dict, after the checks in the module docstring; ``who`` names the command."""
+    folder = Path(folder)
+    config_file = folder / 'config.json'
+    if not folder.is_dir():
+        raise InputNotFoundError(f'{who}: model folder {folder} does not exist')
+    if not config_file.is_file():
+        raise InputNotFoundError(f'{who}: no HF config.json in {folder}')
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFolderError(f'{who}: {config_file} is not a readable JSON config ({exc})') from exc
+    model_type = config.get('model_type')
+    if model_type not in model_types:
+        raise ModelFolderError(f"{who}: {folder} holds a '{model_type}' model; this takes "
+                               f"{', '.join(model_types)} folders")
+    for index_name in _INDEX_FILES:
+        index_file = folder / index_name
+        if index_file.is_file():
+            try:
+                shards = sorted(set(json.loads(index_file.read_text())['weight_map'].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                raise ModelFolderError(f'{who}: {index_file} is not a readable shard index ({exc})') from exc
+            missing = [shard for shard in shards if not (folder / shard).is_file()]
+            if missing:
+                raise ModelFolderError(f'{who}: {folder}: the shard index names {len(missing)} missing shard(s): '
+                                       f'{", ".join(missing[:3])}')
+            for shard in shards:
+                if shard.endswith('.safetensors'):
+                    _check_safetensors(folder / shard, folder)
+            return config
+    for name in _SINGLE_FILES:
+        if (folder / name).is_file():
+            if name.endswith('.safetensors'):
+                _check_safetensors(folder / name, folder)
+            return config
+    raise ModelFolderError(f'{who}: {folder} has a config.json but no weights beside it (expected '
+                           f'{" or ".join(_SINGLE_FILES)}, or a shard index)')
