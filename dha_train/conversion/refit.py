@@ -61,16 +61,22 @@ class RefitSettings:
 
 
 def match_query_heads(source_q: torch.Tensor, converted_q: torch.Tensor, head_dim: int) -> tuple[list[int], float]:
-    """(source query head of each converted head, the largest relative mismatch) from per-pair row norms, which
-    mean-pooling keeps and RoPE-commuting rotations and head permutations only reorder. Greedy on the global
-    smallest distance, which is exact when the heads were copied."""
-    def signature(rows):
+    """(source query head of each converted head, the largest relative mismatch). Heads are compared by B_p^T B_p
+    per RoPE pair p (B_p: the pair's 2 x D rows), which mean-pooling keeps and a RoPE-commuting rotation of the pair
+    leaves unchanged; head permutations only reorder them. Greedy on the globally smallest distance, which is exact
+    when the heads were copied."""
+    def pairs(rows):  # (heads, P, 2, D)
         heads = rows.double().reshape(-1, head_dim, rows.shape[1])
         half = head_dim // 2
-        return (heads[:, :half].pow(2).sum(-1) + heads[:, half:].pow(2).sum(-1)).sqrt()
+        return torch.stack([heads[:, :half], heads[:, half:]], dim=2)
 
-    src, conv = signature(source_q), signature(converted_q)
-    distance = torch.cdist(conv, src) / src.norm(dim=1).clamp_min(1e-30)[None, :]
+    src, conv = pairs(source_q), pairs(converted_q)
+    square = lambda a, b: torch.einsum('hpid,gpjd->hgpij', a, b).pow(2).sum((-1, -2))  # noqa: E731  ||B B'^T||^2
+    own_src = torch.diagonal(square(src, src), dim1=0, dim2=1).T          # (S, P): ||B^T B||_F^2
+    own_conv = torch.diagonal(square(conv, conv), dim1=0, dim2=1).T       # (C, P)
+    cross = square(conv, src)                                             # (C, S, P)
+    distance_sq = (own_conv[:, None, :] + own_src[None, :, :] - 2 * cross).sum(-1).clamp_min(0)
+    distance = (distance_sq / own_src.sum(-1).clamp_min(1e-30)[None, :]).sqrt()
     order, mismatch = [-1] * conv.shape[0], 0.0
     taken = distance.clone()
     for _ in range(conv.shape[0]):

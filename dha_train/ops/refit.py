@@ -140,11 +140,15 @@ def fit_shared_value(value_rows: torch.Tensor, output_columns: torch.Tensor, gra
     moment = torch.einsum('hid,hij,hje->de', whitened, reach, whitened)
     moment = 0.5 * (moment + moment.T)
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)
-    basis = eigenvectors[:, -head_dim:]                               # U: (D_in, d)
+    kept = min(head_dim, moment.shape[0])  # an input narrower than the head (a small MLA latent) caps the rank
+    basis = eigenvectors[:, -kept:]                                   # U: (D_in, kept)
     rows = basis.T @ root_inverse
-    new_outputs = outputs @ (whitened @ basis)                        # O_h V_h L U: (heads, D_out, d)
+    new_outputs = outputs @ (whitened @ basis)                        # O_h V_h L U: (heads, D_out, kept)
+    if kept < head_dim:  # the value head keeps its width; the spare dims carry nothing
+        rows = torch.cat([rows, rows.new_zeros(head_dim - kept, rows.shape[1])])
+        new_outputs = torch.cat([new_outputs, new_outputs.new_zeros(*new_outputs.shape[:2], head_dim - kept)], dim=2)
     total = float(eigenvalues.clamp_min(0).sum())
-    residual = float(eigenvalues[:-head_dim].clamp_min(0).sum())
+    residual = float(eigenvalues[:-kept].clamp_min(0).sum()) if kept < moment.shape[0] else 0.0
     return ValueOutputFit(rows, new_outputs, residual, total)
 
 
