@@ -13,6 +13,7 @@ import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with t
 from dha_train import methods
 from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
 from dha_train.distributed import causal_lm_on_meta
+from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import is_decoder_block
 
 
@@ -23,6 +24,7 @@ def build_llama_config(cfg: ModelConfig):
         path = Path(cfg.pretrained_path)
         if not (path / 'config.json').is_file():
             raise ConfigError(f'model.pretrained_path: no HF config.json in {path} (give a local HF model folder)')
+        check_model_folder(path, who='model.pretrained_path')
         llama_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         if llama_config.model_type not in methods.trainable_model_types():
             raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; dha_train "

@@ -21,6 +21,7 @@ from dha_train.config import ConfigError, TrainLoaderConfig
 from dha_train.data.loaders import build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.errors import DhaTrainError
+from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.similarity import RunningGram
@@ -215,6 +216,7 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch
 
 def load_source_model(model_dir: Path, config, *, dtype: str = 'float32', device: str = 'cpu', who: str = 'search'):
     """The plain LLaMA (MHA or GQA) in ``model_dir`` for calibration, and its head map (``source_head_map``)."""
+    check_model_folder(model_dir, who=who)
     source = source_head_map(config, who)
     if dtype not in DTYPES:
         raise ConfigError(f"{who}: dtype must be float32, bfloat16 or float16, got '{dtype}'")

@@ -29,24 +29,24 @@ class ModelFolderError(DhaTrainError, ValueError):
     """A model folder that cannot be loaded: the message names the folder and what is wrong."""
 
 
-def _check_safetensors(path: Path, folder: Path) -> None:
+def _check_safetensors(path: Path, where: str) -> None:
     size = path.stat().st_size
     try:
         with path.open('rb') as handle:
             head = handle.read(8)
             if len(head) < 8:
-                raise ModelFolderError(f'{folder}: {path.name} is truncated ({size} bytes, no safetensors header)')
+                raise ModelFolderError(f'{where}: {path.name} is truncated ({size} bytes, no safetensors header)')
             (header_size,) = struct.unpack('<Q', head)
             if header_size > size - 8:
-                raise ModelFolderError(f'{folder}: {path.name} is truncated or not a safetensors file (its header '
+                raise ModelFolderError(f'{where}: {path.name} is truncated or not a safetensors file (its header '
                                        f'claims {header_size} bytes, the file has {size})')
             header = json.loads(handle.read(header_size))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFolderError(f'{folder}: {path.name} is unreadable as safetensors ({exc})') from exc
+        raise ModelFolderError(f'{where}: {path.name} is unreadable as safetensors ({exc})') from exc
     end = max((entry['data_offsets'][1] for name, entry in header.items() if name != '__metadata__'), default=0)
     expected = 8 + header_size + end
     if size < expected:
-        raise ModelFolderError(f'{folder}: {path.name} is truncated ({size:,} of {expected:,} bytes; an interrupted '
+        raise ModelFolderError(f'{where}: {path.name} is truncated ({size:,} of {expected:,} bytes; an interrupted '
                                'copy?)')
 
 
@@ -79,12 +79,12 @@ def check_model_folder(folder: str | Path, *, who: str, model_types: tuple[str, 
                                        f'{", ".join(missing[:3])}')
             for shard in shards:
                 if shard.endswith('.safetensors'):
-                    _check_safetensors(folder / shard, folder)
+                    _check_safetensors(folder / shard, f'{who}: {folder}')
             return config
     for name in _SINGLE_FILES:
         if (folder / name).is_file():
             if name.endswith('.safetensors'):
-                _check_safetensors(folder / name, folder)
+                _check_safetensors(folder / name, f'{who}: {folder}')
             return config
     raise ModelFolderError(f'{who}: {folder} has a config.json but no weights beside it (expected '
                            f'{" or ".join(_SINGLE_FILES)}, or a shard index)')

@@ -331,6 +331,27 @@ CASES = [
          lambda ctx: ctx.prep('--overwrite', out=ctx.mount(ctx.tmp / 'full', fill=lambda p: _old_output(p / 'out'))
                               / 'out'),
          'cannot write {tmp}/full/out: the disk is full (no space left on device); {tmp}/full/out was left as it was'),
+    # --- model folders (convert, refit, eval, search, align and model.pretrained_path share one check) -------------
+    Case('convert: a model folder with config.json but no weights', 'dha-train',
+         lambda ctx: ['convert', str(_damaged_model(ctx, 'no weights')), str(ctx.tmp / 'out'), '--kv-heads', '2'],
+         'convert: {tmp}/mha has a config.json but no weights beside it'),
+    Case('convert: a truncated model.safetensors (an interrupted copy)', 'dha-train',
+         lambda ctx: ['convert', str(_damaged_model(ctx, 'truncated')), str(ctx.tmp / 'out'), '--kv-heads', '2'],
+         'convert: {tmp}/mha: model.safetensors is truncated'),
+    Case('convert: a shard index naming a missing shard', 'dha-train',
+         lambda ctx: ['convert', str(_damaged_model(ctx, 'missing shard')), str(ctx.tmp / 'out'), '--kv-heads', '2'],
+         'convert: {tmp}/mha: the shard index names 1 missing shard(s): model-00002-of-00002.safetensors'),
+    Case('convert: a config of another architecture', 'dha-train',
+         lambda ctx: ['convert', str(_damaged_model(ctx, 'other architecture')), str(ctx.tmp / 'out'), '--kv-heads',
+                      '2'],
+         "convert: {tmp}/mha holds a 'gpt2' model"),
+    Case('eval: a truncated model.safetensors', 'dha-train',
+         lambda ctx: ['eval', str(_damaged_model(ctx, 'truncated')), '--tasks', 'piqa', '--limit', '2'],
+         'eval: {tmp}/mha: model.safetensors is truncated'),
+    Case('refit: a converted folder with no weights', 'dha-train',
+         lambda ctx: ['refit', str(ctx.fixture('mha_dir')), str(_damaged_model(ctx, 'no weights')),
+                      str(ctx.tmp / 'out'), '--data', str(ctx.data_root)],
+         'refit (converted): {tmp}/mha has a config.json but no weights beside it'),
     # --- export ------------------------------------------------------------------------------------------------------
     Case('export: truncated checkpoint', 'dha-train',
          lambda ctx: ['export', str(_truncated_checkpoint(ctx)), str(ctx.tmp / 'hf')],
@@ -347,6 +368,25 @@ CASES = [
                       str(ctx.mount(ctx.tmp / 'full', fill=lambda p: _old_output(p / 'hf')) / 'hf'), '--overwrite'],
          'cannot write {tmp}/full/hf: the disk is full (no space left on device); {tmp}/full/hf was left as it was'),
 ]
+
+
+def _damaged_model(ctx: Ctx, damage: str) -> Path:
+    """A copy of the tiny MHA folder with one thing wrong, as an interrupted copy or a wrong download leaves it."""
+    folder = ctx.copy(ctx.fixture('mha_dir'), 'mha')
+    weights = folder / 'model.safetensors'
+    if damage == 'no weights':
+        weights.unlink()
+    elif damage == 'truncated':
+        _truncate(weights)
+    elif damage == 'missing shard':
+        weights.rename(folder / 'model-00001-of-00002.safetensors')
+        names = ['model.embed_tokens.weight', 'lm_head.weight']
+        (folder / 'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': {
+            names[0]: 'model-00001-of-00002.safetensors', names[1]: 'model-00002-of-00002.safetensors'}}))
+    elif damage == 'other architecture':
+        config = json.loads((folder / 'config.json').read_text())
+        (folder / 'config.json').write_text(json.dumps({**config, 'model_type': 'gpt2'}))
+    return folder
 
 
 def _flipped(ctx: Ctx) -> Path:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.commands.convert_mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
 from dha_train.config import ConfigError
-from dha_train.errors import InputNotFoundError
+from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
@@ -48,8 +48,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
                        overwrite: bool = False) -> Path:
     """Mean-pool the K/V heads of an MHA or GQA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if not (model_dir / 'config.json').is_file():
-        raise InputNotFoundError(f'no HF config.json in {model_dir}')
+    check_model_folder(model_dir, who='convert')
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     head_map.check_fits(config)
@@ -122,8 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (Path(args.model_dir) / 'config.json').is_file():
-        raise InputNotFoundError(f'no HF config.json in {args.model_dir}')
+    check_model_folder(args.model_dir, who='convert')
     if args.method == 'mla':
         return run_mla(args)
     if args.head_map is None and args.kv_heads is None:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
-from dha_train.errors import InputNotFoundError
+from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
 from dha_train.ops.mla import (
@@ -98,8 +98,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     """Convert and save the MLA folder; returns a report (ranks, pairs, cache numbers against the source)."""
     check_settings(settings)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if not (model_dir / 'config.json').is_file():
-        raise InputNotFoundError(f'no HF config.json in {model_dir}')
+    check_model_folder(model_dir, who='convert --method mla')
     refuse_nonempty(out_dir, overwrite)
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
     total_latent, source_values = latent_budget(config, settings)

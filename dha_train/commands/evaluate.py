@@ -28,6 +28,7 @@ from dha_train.data.loaders import build_evaluators, check_data_matches_model
 from dha_train.export import export_hf
 from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_tasks
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_folders import check_model_folder
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
 
@@ -40,6 +41,8 @@ def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
     with tempfile.TemporaryDirectory(prefix='dha-eval-') as scratch:
         if not (path / 'config.json').is_file():  # a Composer checkpoint: export it first (removed after loading)
             path = export_hf(path, Path(scratch) / 'hf')
+        else:
+            check_model_folder(path, who='eval')
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
                                                      torch_dtype=getattr(torch, dtype)).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
