@@ -32,6 +32,9 @@ from dha_train.models.transfer import transfer_to_gqa_state_dict
 from dha_train.ops.fusion import bake_llama_state_dict
 from dha_train.ops.mla import cache_values_per_token
 
+# Modules that healing algorithms add to a model for training only (attention_transfer's frozen source attention in
+# each decoder layer): every export drops their weights, so the exported model is the converted one alone.
+TRAINING_ONLY_MODULES = ('transfer_source',)
 METHOD_TAG = 'dha_train_method'  # HF config attribute naming the method whose surgery a checkpoint holds
 BASE_MODEL_TYPE = 'llama'
 
@@ -107,7 +110,10 @@ def method_of(config: PretrainedConfig, weights: Weights | None = None) -> Metho
 
 def export_model(config: PretrainedConfig, weights: Weights) -> tuple[PretrainedConfig, Weights]:
     """A checkpoint's (config, weights) -> the exportable model's: its method's export, or unchanged when the
-    checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked)."""
+    checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked).
+    Weights of ``TRAINING_ONLY_MODULES`` are dropped first."""
+    weights = {name: value for name, value in weights.items()
+               if not any(f'.{module}.' in name for module in TRAINING_ONLY_MODULES)}
     method = method_of(config, weights)
     if method is not None and method.export is not None:
         try:

@@ -1,0 +1,154 @@
+"""``AttentionTransfer``: layer-wise, teacher-forced local distillation of a converted attention to its source.
+
+At ``Event.INIT`` (before the FSDP wrap) every decoder layer gets the source's attention for that layer beside its
+own, as ``layer.transfer_source``: frozen, in the same decoder-layer module, so FSDP2 shards and gathers both in one
+unit. Only the source's attention weights are read (``safetensors`` per tensor), so memory is one model plus one
+extra attention per layer. A forward hook on each layer's own attention then runs the source attention on the same
+input and returns the SOURCE's output to the layer: the residual stream is the source's (teacher forcing), and the
+converted attention only learns. Its loss per layer is the normalised MSE
+
+    ||a_converted - a_source||^2 / ||a_source||^2      (over the micro-batch's tokens),
+
+kept on the layer's module per forward (never in a global list). At ``Event.AFTER_LOSS`` the loss becomes
+
+    lm_weight * L_lm + weight * mean over layers of the normalised MSE
+
+(``lm_weight`` 0 by default). The layer output has the source's values with the converted output's gradient
+path (a straight-through carry, which FSDP2 needs to unshard the layer for backward), so a positive ``lm_weight``
+trains the converted attention on the LM loss with the stream teacher-forced; at 0 that term is exactly zero.
+``trainable: attention`` (the default) freezes every parameter but the converted attentions'; ``all`` trains the rest
+too. ``transfer/layer<l>/mse`` and ``transfer/mse`` are logged per batch. The frozen source is not state: a resumed
+run builds it again at INIT and loads the checkpoint's copy of it with the model. Exports drop it
+(``methods.TRAINING_ONLY_MODULES``), so the exported model is the converted one alone.
+
+When the student's weights come from rank 0 alone (``model.load_on_rank0``: the other ranks built the model on the
+meta device), the source attentions are built on the meta device there too, and Composer's FSDP2 broadcasts rank 0's
+copy with the rest of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from safetensors import safe_open
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from dha_train import registry
+from dha_train.config import ConfigError
+from dha_train.methods import TRAINING_ONLY_MODULES
+from dha_train.model_folders import check_model_folder
+from dha_train.models.llama_layout import hf_model
+
+SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
+TRAINABLE = ('attention', 'all')
+
+
+def _source_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Just the named tensors of a (possibly sharded) safetensors folder."""
+    index = folder / 'model.safetensors.index.json'
+    files = ({name: json.loads(index.read_text())['weight_map'][name] for name in names} if index.is_file()
+             else {name: 'model.safetensors' for name in names})
+    tensors = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(folder / file), framework='pt') as handle:
+            for name in names:
+                if files[name] == file:
+                    tensors[name] = handle.get_tensor(name).float()
+    return tensors
+
+
+class AttentionTransfer(Algorithm):
+    def __init__(self, source_path: str, weight: float = 1.0, lm_weight: float = 0.0, trainable: str = 'attention'):
+        if weight <= 0 or lm_weight < 0:
+            raise ValueError(f'attention_transfer: weight must be > 0 and lm_weight >= 0, got {weight} and {lm_weight}')
+        if trainable not in TRAINABLE:
+            raise ValueError(f"attention_transfer: trainable must be one of {', '.join(TRAINABLE)}, got '{trainable}'")
+        check_model_folder(source_path, who='attention_transfer source_path', model_types=('llama',))
+        self.source_path = Path(source_path)
+        self.weight, self.lm_weight, self.trainable = weight, lm_weight, trainable
+        self._layers: list[nn.Module] = []
+        self._terms: Optional[torch.Tensor] = None  # detached per-layer MSE of the last micro-batch
+
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.INIT, Event.AFTER_LOSS, Event.BATCH_END)
+
+    def _install(self, state: State) -> None:
+        model = hf_model(state.model)
+        source_config = LlamaConfig.from_pretrained(self.source_path, local_files_only=True)
+        for key in ('num_hidden_layers', 'hidden_size', 'num_attention_heads'):
+            if getattr(source_config, key) != getattr(model.config, key):
+                raise ConfigError(f'attention_transfer: the source has {key}={getattr(source_config, key)}, the '
+                                  f'model {getattr(model.config, key)}')
+        source_config._attn_implementation = model.config._attn_implementation
+        layers = model.model.layers
+        on_meta = next(model.parameters()).device.type == 'meta'
+        names = [f'model.layers.{index}.self_attn.{proj}.{kind}' for index in range(len(layers))
+                 for proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj')
+                 for kind in (('weight', 'bias') if source_config.attention_bias else ('weight',))]
+        tensors = {} if on_meta else _source_tensors(self.source_path, names)
+        if self.trainable == 'attention':
+            model.requires_grad_(False)
+        # Building draws random initial weights; forking keeps them out of the training RNG streams (exact resume).
+        with torch.random.fork_rng():
+            for index, layer in enumerate(layers):
+                with torch.device('meta' if on_meta else 'cpu'):
+                    source = LlamaAttention(source_config, layer_idx=index)
+                if not on_meta:
+                    prefix = f'model.layers.{index}.self_attn.'
+                    source.load_state_dict({name[len(prefix):]: value for name, value in tensors.items()
+                                            if name.startswith(prefix)})
+                source.requires_grad_(False)
+                layer.add_module(SOURCE_MODULE, source)
+                layer.self_attn.requires_grad_(True)
+                layer.self_attn.register_forward_hook(self._hook(layer), with_kwargs=True)
+                self._layers.append(layer)
+
+    @staticmethod
+    def _hook(layer: nn.Module):
+        def teacher_forced(module, args, kwargs, output):
+            source = getattr(layer, SOURCE_MODULE)
+            call = dict(kwargs)
+            call.pop('past_key_value', None)
+            call.pop('past_key_values', None)
+            if args:  # hidden_states given positionally
+                call['hidden_states'] = args[0]
+            with torch.no_grad():
+                reference, weights = source(**call)
+            converted = output[0]
+            error = (converted.float() - reference.float()).pow(2).sum()
+            source.transfer_mse = error / reference.float().pow(2).sum().clamp_min(1e-12)
+            # The layer carries the source's values on, with the converted output's autograd node behind them:
+            # FSDP2 unshards a layer for backward from hooks on its outputs, so the transfer loss must reach the
+            # converted attention through the layer output too. Its gradient there is d(lm_weight * L_lm), exactly
+            # zero at lm_weight 0 (Event.AFTER_LOSS cancels the LM term on the same tensor).
+            carried = reference.to(converted.dtype) + (converted - converted.detach())
+            return (carried, *output[1:])
+        return teacher_forced
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.INIT:
+            self._install(state)
+        elif event == Event.AFTER_LOSS:
+            errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in self._layers])
+            lm = state.outputs['loss']
+            state.loss = state.loss + (self.lm_weight - 1.0) * lm + self.weight * errors.mean()
+            self._terms = errors.detach()
+            for layer in self._layers:
+                getattr(layer, SOURCE_MODULE).transfer_mse = None
+        elif event == Event.BATCH_END and self._terms is not None:
+            metrics = {f'transfer/layer{index}/mse': float(value) for index, value in enumerate(self._terms)}
+            metrics['transfer/mse'] = float(self._terms.mean())
+            logger.log_metrics(metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the source is a fixed input (rebuilt at INIT, its weights in the model's checkpoint)
+
+
+registry.algorithms.register('attention_transfer', AttentionTransfer)
