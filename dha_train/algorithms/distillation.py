@@ -10,7 +10,8 @@ decoder layer and at the root, on the same device mesh), and when the student's 
 
 over the positions the attention mask keeps (``ops.distill``; BiLD with ``top_k`` and ``temperature``). Only the LM
 term is reweighted: terms that other algorithms add to the loss keep their weight, in any order of the recipe's
-``algorithms``. Each term's value is kept for the ``distill/*`` metrics logged at batch end.
+``algorithms``. ``trainable: attention`` freezes everything but the attention modules at ``Event.INIT`` (healing's
+KL stage on the attention parameters). Each term's value is kept for the ``distill/*`` metrics logged at batch end.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.distributed import causal_lm_on_meta, shard_like
 from dha_train.errors import InputNotFoundError
+from dha_train.models.llama_layout import attention_modules, hf_model
 from dha_train.ops.distill import bild_loss, kl_loss
 
 
 class Distillation(Algorithm):
     def __init__(self, teacher_path: str, kl_weight: float = 1.0, bild_weight: float = 1.0, lm_weight: float = 0.0,
-                 top_k: int = 16, temperature: float = 1.0):
+                 top_k: int = 16, temperature: float = 1.0, trainable: str = 'all'):
         if min(kl_weight, bild_weight, lm_weight) < 0 or kl_weight + bild_weight + lm_weight == 0:
             raise ValueError('distillation: weights must be >= 0 and not all 0')
         if temperature <= 0 or top_k < 2:
@@ -42,6 +44,9 @@ class Distillation(Algorithm):
         if not (Path(teacher_path) / 'config.json').is_file():
             raise InputNotFoundError(f'distillation: teacher_path {teacher_path} is not an HF model folder '
                                     '(no config.json)')
+        if trainable not in ('all', 'attention'):
+            raise ValueError(f"distillation: trainable must be 'all' or 'attention', got '{trainable}'")
+        self.trainable = trainable
         self.teacher_path = teacher_path
         self.kl_weight, self.bild_weight, self.lm_weight = kl_weight, bild_weight, lm_weight
         self.top_k, self.temperature = top_k, temperature
@@ -50,7 +55,7 @@ class Distillation(Algorithm):
         self._terms: dict[str, torch.Tensor] = {}  # detached; read as floats once per batch, not per micro-batch
 
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
+        return event in (Event.INIT, Event.FIT_START, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.BATCH_END)
 
     def _load_teacher(self, state: State) -> None:
         # The teacher loads the way the student did: when Composer broadcast the student from rank 0 (the ranks
@@ -75,7 +80,13 @@ class Distillation(Algorithm):
             self.teacher = shard_like(state.device.module_to_device(teacher), state.model)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event == Event.FIT_START:
+        if event == Event.INIT and self.trainable == 'attention':
+            # Healing's KL stage may train the converted attention alone; frozen before the FSDP wrap.
+            model = hf_model(state.model)
+            model.requires_grad_(False)
+            for attention in attention_modules(model):
+                attention.requires_grad_(True)
+        elif event == Event.FIT_START:
             if self.teacher is None:
                 self._load_teacher(state)
         elif event == Event.AFTER_FORWARD:

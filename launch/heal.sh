@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Healing chain for any converted model (mean-pool / aligned GQA, AsymGQA, DHA, MLA; not MoH): closed-form refit to
+# the source, layer-wise attention transfer, end-to-end KL distillation, then optional continued pre-training.
+#   launch/heal.sh <source_hf> <converted_hf> <data_root> <save_root> [nproc] [transfer_recipe] [kl_recipe] [key=value ...]
+# key=value overrides go to every training stage. HEAL_NAME names the runs (default <converted folder name>);
+# REFIT_ARGS adds refit options (e.g. "--tokens 65536 --device cuda"); CT_RECIPE, when set, runs CT after KL.
+# Re-running resumes at any stage: a stage whose exported folder exists is skipped, a killed training stage
+# autoresumes from its last checkpoint, and the finished run is exported once.
+set -euo pipefail
+if [[ $# -lt 4 ]]; then
+  echo "usage: $0 <source_hf> <converted_hf> <data_root> <save_root> [nproc] [transfer_recipe] [kl_recipe] [key=value ...]" >&2
+  exit 2
+fi
+SOURCE=$1; CONVERTED=$2; DATA=$3; SAVE=$4
+NPROC=${5:-8}
+TRANSFER_RECIPE=${6:-yamls/healing/tiny_transfer.yaml}
+KL_RECIPE=${7:-yamls/healing/tiny_kl.yaml}
+shift $(( $# < 7 ? $# : 7 ))
+NAME=${HEAL_NAME:-$(basename "$CONVERTED")}
+DHA=${DHA_TRAIN:-dha-train}
+COMPOSER_CMD=${COMPOSER:-composer}
+
+REFIT="$SAVE/$NAME-refit"
+if [[ ! -f "$REFIT/config.json" ]]; then
+  # shellcheck disable=SC2086
+  $DHA refit "$SOURCE" "$CONVERTED" "$REFIT" --data "$DATA" ${REFIT_ARGS:-}
+fi
+
+# stage <name> <recipe> <model>: train (autoresume) then export to $SAVE/$NAME-<name>-hf, unless that exists
+stage() {
+  local name=$1 recipe=$2 model=$3
+  local out="$SAVE/$NAME-$name-hf"
+  if [[ ! -f "$out/config.json" ]]; then
+    # shellcheck disable=SC2086
+    $COMPOSER_CMD -n "$NPROC" -m dha_train.train "$recipe" \
+      variables.model_path="$model" variables.source_path="$SOURCE" variables.data_root="$DATA" \
+      variables.save_root="$SAVE" run_name="$NAME-$name" "${OVERRIDES[@]}"
+    $DHA export "$SAVE/$NAME-$name" "$out"
+  fi
+  LAST=$out
+}
+
+OVERRIDES=("$@")
+stage transfer "$TRANSFER_RECIPE" "$REFIT"
+stage kl "$KL_RECIPE" "$LAST"
+if [[ -n "${CT_RECIPE:-}" ]]; then
+  $COMPOSER_CMD -n "$NPROC" -m dha_train.train "$CT_RECIPE" \
+    variables.model_path="$LAST" variables.data_root="$DATA" variables.save_root="$SAVE" run_name="$NAME-ct" \
+    "${OVERRIDES[@]}"
+fi
+echo "heal: $LAST"
