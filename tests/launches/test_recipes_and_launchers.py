@@ -13,7 +13,8 @@ from helpers import REPO
 
 RECIPES = sorted((REPO / 'yamls').rglob('*.yaml'))
 PLACEHOLDERS = ['variables.model_path=/m', 'variables.data_root=/d', 'variables.save_root=/s',
-                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t', 'variables.tokenizer=/k', 'variables.head_map=/h']
+                'variables.out=/o', 'variables.run_dir=/r', 'variables.teacher_path=/t', 'variables.tokenizer=/k', 'variables.head_map=/h',
+                'variables.source_path=/p']
 
 
 @pytest.mark.parametrize('recipe', RECIPES, ids=lambda p: str(p.relative_to(REPO)))
