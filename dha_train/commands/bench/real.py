@@ -59,6 +59,8 @@ import math
 import random
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -79,6 +81,7 @@ from dha_train.data.prep import prep_redpajama
 from dha_train.export import export_hf
 from dha_train.harness import headline
 from dha_train.models.head_map import HeadMap
+from dha_train.paths import recipe_path
 from dha_train.stages import Stage, train_stage, train_tokens
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
@@ -114,6 +117,7 @@ class RealSettings:
     microbatch: int | None = None
     val_tokens: int | None = None  # held-out validation tokens
     calib_tokens: int | None = None  # calibration tokens of align and the asym search
+    refit_tokens: int | None = None  # calibration tokens of the healing refit
     search_batches: int | None = None  # DHA Search batches (not counted as training tokens: the Search makes a map)
     asym_iterations: int | None = None  # AsymGQA fitness-search iterations per layer (each a forward pass)
     eval_batch_size: int | None = None
@@ -126,15 +130,17 @@ class RealSettings:
     train_data: str | None = None  # an existing `data prep` folder (github + wikipedia) instead of the stdlib corpus
     seed: int = 17
     overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
+    heal: bool = True  # healing rows (refit, attention transfer, KL) after each method's 0-token conversion
+    transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
 
 
 # Defaults per device: the CPU setting fits about an hour on the 2-core CI machine; the GPU one is a larger run.
 _DEFAULTS = {
     'cpu': dict(tokens=16 * 8 * 256, limit=50, seq_len=256, batch=8, microbatch=8, val_tokens=32 * 256,
-                calib_tokens=2048, search_batches=2, asym_iterations=3, eval_batch_size=16,
+                calib_tokens=2048, refit_tokens=16384, search_batches=2, asym_iterations=3, eval_batch_size=16,
                 corpus_bytes=4_000_000),
     'cuda': dict(tokens=400 * 32 * 512, limit=500, seq_len=512, batch=32, microbatch=32, val_tokens=512 * 512,
-                 calib_tokens=16384, search_batches=40, asym_iterations=50, eval_batch_size=64,
+                 calib_tokens=16384, refit_tokens=65536, search_batches=40, asym_iterations=50, eval_batch_size=64,
                  corpus_bytes=None),
 }
 
@@ -156,10 +162,12 @@ def resolve_settings(settings: RealSettings) -> RealSettings:
     if values['microbatch'] is None:
         values['microbatch'] = min(values['batch'], _DEFAULTS[device]['microbatch'])
     resolved = RealSettings(**values)
-    for name in ('tokens', 'limit', 'seq_len', 'batch', 'microbatch', 'val_tokens', 'calib_tokens',
+    for name in ('tokens', 'limit', 'seq_len', 'batch', 'microbatch', 'val_tokens', 'calib_tokens', 'refit_tokens',
                  'eval_batch_size', 'asym_iterations'):
         if getattr(resolved, name) <= 0:
             raise ConfigError(f'bench real: {name} must be > 0, got {getattr(resolved, name)}')
+    if not 0 < resolved.transfer_fraction < 1:
+        raise ConfigError(f'bench real: transfer_fraction must be in (0, 1), got {resolved.transfer_fraction}')
     if resolved.search_batches < 1:
         raise ConfigError(f'bench real: search_batches must be >= 1, got {resolved.search_batches}')
     if resolved.tokens < resolved.batch * resolved.seq_len:
@@ -289,9 +297,14 @@ class _Bench:
         # Stages live under a folder named by the settings they depend on, so a re-run with other settings never
         # reuses a stale stage; evaluations also by the tasks and the limit.
         tag = (f's{settings.seq_len}-b{settings.batch}-t{self.tokens}-c{settings.calib_tokens}'
-               f'-r{settings.search_batches}-i{settings.asym_iterations}')
-        if settings.overrides:
-            tag += '-' + hashlib.sha256(json.dumps(settings.overrides, sort_keys=True).encode()).hexdigest()[:8]
+               f'-r{settings.search_batches}-i{settings.asym_iterations}-seed{settings.seed}')
+        # Everything else a stage's result depends on: the training data (its folder and manifest: another
+        # --train-data or corpus size gives other stages), the recipe overrides and the bench's recipes themselves.
+        manifest = Path(train_data) / 'manifest.json'
+        inputs = {'overrides': settings.overrides, 'train_data': str(train_data),
+                  'manifest': manifest.read_text() if manifest.is_file() else None,
+                  'recipes': {path.name: path.read_text() for path in sorted(recipe_path('real/ct.yaml').parent.glob('*.yaml'))}}
+        tag += '-' + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:8]
         self.runs = work / 'runs' / f'{source.name}-{tag}'
         tasks = hashlib.sha256(json.dumps([list(settings.tasks), [str(i) for i in settings.include]]).encode())
         self.evals = self.runs / 'eval' / f'l{settings.limit}-v{settings.val_tokens}-{tasks.hexdigest()[:8]}'
@@ -307,9 +320,12 @@ class _Bench:
             f'global_train_batch_size={s.batch}', f'device_train_microbatch_size={s.microbatch}',
             f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed}']
 
-    def train(self, stage_dir: Path, recipe: str, name: str, steps: int, **variables) -> tuple:
-        """One recipe run of ``steps`` batches, exported to ``stage_dir/hf``; its checkpoints are removed after."""
-        trainer, config, history = train_stage(recipe, self.overrides(name, steps, **variables), None)
+    def train(self, stage_dir: Path, recipe: str, name: str, steps: int, seed: int | None = None,
+              **variables) -> tuple:
+        """One recipe run of ``steps`` batches, exported to ``stage_dir/hf``; its checkpoints are removed after.
+        ``seed`` (default the bench's) also sets the order of the batches drawn."""
+        overrides = self.overrides(name, steps, **variables) + ([f'seed={seed}'] if seed is not None else [])
+        trainer, config, history = train_stage(recipe, overrides, None)
         save_folder = Path(config.save_folder.format(run_name=config.run_name))
         hf = export_hf(save_folder, stage_dir / 'hf', overwrite=True)
         (stage_dir / 'history.json').write_text(json.dumps(history))
@@ -352,6 +368,56 @@ class _Bench:
     def teacher_kv_bytes(self) -> int:
         return self.rows[0]['kv_bytes']
 
+    # --- healing: refit, attention transfer, KL (each stage its own process) ---------------------------------
+    def _command(self, *arguments: str) -> None:
+        done = subprocess.run([sys.executable, '-m', 'dha_train.cli', *arguments], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f'bench real: dha-train {arguments[0]} failed:\n{done.stdout[-3000:]}\n'
+                               f'{done.stderr[-3000:]}')
+
+    def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
+             **extra) -> None:
+        """The healing rows of one 0-token conversion: refit (0 training tokens), then attention transfer and KL
+        distillation, which together train on as many tokens as the method's CT row."""
+        if not self.settings.heal:
+            return
+        s = self.settings
+        transfer_batches = max(1, round(self.batches * s.transfer_fraction))
+        kl_batches = max(1, self.batches - transfer_batches)
+
+        def refit(out: Path) -> dict:
+            self._command('refit', str(self.source), str(converted), str(out / 'hf'), '--data', str(self.train_data),
+                          '--tokens', str(s.refit_tokens), '--seed', str(s.seed), '--device', s.device,
+                          '--overwrite')
+            report = json.loads((out / 'hf' / 'refit.json').read_text())
+            return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
+                    **{key: value for key, value in report.items() if key.startswith('mean_')}}
+
+        refitted = _run_stage(self.runs, f'{name}-refit', refit)
+        seconds += refitted['seconds']
+        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit', **extra)
+
+        def train(recipe: str, stage: str, model: str, batches: int, seed: int):
+            def build(out: Path) -> dict:
+                run = f'{name}-{stage}'
+                self._command('train', str(recipe_path(recipe)), *self.overrides(
+                    run, batches, model_path=model, source_path=self.source), f'seed={seed}')
+                save_folder = self.runs / 'checkpoints' / run
+                self._command('export', str(save_folder), str(out / 'hf'), '--overwrite')
+                shutil.rmtree(save_folder, ignore_errors=True)
+                return {'hf_folder': str(out / 'hf'), 'tokens': batches * s.batch * s.seq_len}
+            return _run_stage(self.runs, f'{name}-{stage}', build)
+
+        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
+        transferred = train('real/transfer.yaml', 'transfer', refitted['hf_folder'], transfer_batches, s.seed + 101)
+        seconds += transferred['seconds']
+        self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
+                      stage='transfer', **extra)
+        distilled = train('real/kl.yaml', 'kl', transferred['hf_folder'], kl_batches, s.seed + 102)
+        seconds += distilled['seconds']
+        self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
+                      transferred['tokens'] + distilled['tokens'], seconds, stage='kl', **extra)
+
     # --- methods ---------------------------------------------------------------------------------------------
     def teacher(self) -> None:
         self.evaluate('teacher', 'teacher', None, self.source, 0, 0.0)
@@ -368,6 +434,7 @@ class _Bench:
         converted = _run_stage(self.runs, f'{name}-convert', convert)
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
+        self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
         trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
@@ -401,6 +468,7 @@ class _Bench:
         aligned = _run_stage(self.runs, f'{name}-align', align)
         self.evaluate(f'aligned GQA {budget} @0', 'aligned_gqa', budget, aligned['hf_folder'], 0, aligned['seconds'],
                       calibration_tokens=aligned['calibration_tokens'])
+        self.heal(name, f'aligned GQA {budget}', 'aligned_gqa', budget, aligned['hf_folder'], aligned['seconds'])
 
         def prune(out: Path) -> dict:
             trainer, config, hf, save_folder = self.train(
@@ -460,6 +528,7 @@ class _Bench:
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
                       group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
+        self.heal(name, f'AsymGQA {budget}', 'asym_gqa', budget, converted['hf_folder'], seconds, group_sizes=sizes)
         trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
@@ -518,8 +587,10 @@ class _Bench:
             return
 
         def ct(out: Path) -> dict:
+            # its own seed: Fusion drew the first batches of the stream with the bench seed, and CT restarting
+            # the stream with that seed would replay them
             _, config, hf, save_folder = self.train(out, 'real/ct.yaml', f'{name}-ct', remaining,
-                                                    model_path=fused['hf_folder'])
+                                                    model_path=fused['hf_folder'], seed=s.seed + 100)
             shutil.rmtree(save_folder, ignore_errors=True)
             return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
 
@@ -538,11 +609,17 @@ class _Bench:
         if _same_partitions(head_map.source_partitions(self.source_map), pooled) and same:
             self.rows.append({**same[0], 'label': label, 'method': 'dha', 'same_as': same[0]['label'],
                               'note': 'the Search\'s map is the mean-pool map: the same model at 0 tokens'})
+            for row in [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget
+                        and row.get('stage')]:
+                self.rows.append({**row, 'label': row['label'].replace('mean-pool', 'DHA'), 'method': 'dha',
+                                  'same_as': row['label'], 'note': 'healing the same 0-token model as mean-pool'})
             return
         converted = _run_stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
             self.source, out / 'hf', head_map, overwrite=True))})
-        self.evaluate(label, 'dha', budget, converted['hf_folder'], 0, found['seconds'] + converted['seconds'],
-                      kv_heads_per_layer=found['kv_heads'])
+        seconds = found['seconds'] + converted['seconds']
+        self.evaluate(label, 'dha', budget, converted['hf_folder'], 0, seconds, kv_heads_per_layer=found['kv_heads'])
+        self.heal(name, f'DHA {budget}', 'dha', budget, converted['hf_folder'], seconds,
+                  kv_heads_per_layer=found['kv_heads'])
 
     def mla(self, budget: str) -> None:
         """MLA at the same cache bytes as the budget's GQA rows: RoPE pairs by the calibrated 2-norm criterion, the
@@ -563,6 +640,7 @@ class _Bench:
         extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])], 'rope_pairs': pairs,
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
+        self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
         trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
@@ -675,7 +753,13 @@ def _plot(results: dict, work: Path) -> list[str]:
         if row['method'] == 'teacher':
             continue
         key = row['method'] + (f' {row["budget"]}' if row['budget'] else '')
+        if row.get('stage'):  # healing: its own curve, from the same 0-token point as the CT curve
+            curves.setdefault(f'{key} healed', []).append(row)
+            continue
         curves.setdefault(key, []).append(row)
+        if row['tokens'] == 0:
+            curves.setdefault(f'{key} healed', []).append(row)
+    curves = {key: rows for key, rows in curves.items() if not key.endswith(' healed') or len(rows) > 1}
     teacher = results['rows'][0]
     files = []
     for metric, name, label in (('mean_accuracy', 'accuracy.png', 'mean accuracy (6 tasks)'),
