@@ -149,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help='an existing `dha-train data prep` folder (github + wikipedia train splits, the source\'s '
                            'tokenizer) instead of the stdlib corpus')
     real.add_argument('--seed', type=int, default=17)
+    real.add_argument('--no-heal', dest='heal', action='store_false',
+                      help='leave out the healing rows (refit, attention transfer, KL after each 0-token conversion)')
+    real.add_argument('--refit-tokens', dest='refit_tokens', type=int, default=None,
+                      help='calibration tokens of the healing refit (default 16384 CPU, 65536 cuda)')
+    real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
+                      help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
 
 
@@ -199,8 +205,8 @@ def run_real(args: argparse.Namespace) -> int:
     run_real_bench(RealSettings(
         out=args.out, device=args.device, tokens=args.tokens, limit=args.limit, seq_len=args.seq_len,
         batch=args.batch, microbatch=args.microbatch, val_tokens=args.val_tokens, calib_tokens=args.calib_tokens,
-        search_batches=args.search_batches,
-        asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
+        search_batches=args.search_batches, refit_tokens=args.refit_tokens, heal=args.heal,
+        transfer_fraction=args.transfer_fraction, asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
         budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,
         seed=args.seed))
     return 0
