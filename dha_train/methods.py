@@ -112,8 +112,9 @@ def export_model(config: PretrainedConfig, weights: Weights) -> tuple[Pretrained
     """A checkpoint's (config, weights) -> the exportable model's: its method's export, or unchanged when the
     checkpoint holds no surgery. The exported config no longer carries the tag (the surgery is undone or baked).
     Weights of ``TRAINING_ONLY_MODULES`` are dropped first."""
-    weights = {name: value for name, value in weights.items()
-               if not any(f'.{module}.' in name for module in TRAINING_ONLY_MODULES)}
+    if any(f'.{module}.' in name for name in weights for module in TRAINING_ONLY_MODULES):
+        weights = {name: value for name, value in weights.items()
+                   if not any(f'.{module}.' in name for module in TRAINING_ONLY_MODULES)}
     method = method_of(config, weights)
     if method is not None and method.export is not None:
         try:

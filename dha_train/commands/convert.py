@@ -1,89 +1,18 @@
-"""`dha-train convert`: mean-pool an MHA or GQA LLaMA folder to a head map (the GQA baseline's starting point).
-
-The source's own K/V heads are the units pooled: a target over a GQA source (e.g. SmolLM2's 3 K/V heads to 1)
-groups whole source heads (``HeadMap.source_partitions``) and each compact head is the mean of its source heads,
-so the K/V weights are never expanded to one head per query head. A map whose groups are equal-size and shared by
-K and V is first made contiguous by permuting the query heads
-(a function-preserving reorder), so it exports as a standard HF LLaMA with ``num_key_value_heads``; any other map
-becomes a ``DhaLlamaForCausalLM`` folder (with its modeling file, loadable with ``trust_remote_code=True``).
-"""
+"""`dha-train convert`: mean-pool to a head map (``dha_train.conversion.mean_pool``) or convert to MLA
+(``dha_train.conversion.mla``)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-from dha_train.commands.convert_mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
 from dha_train.config import ConfigError
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
 from dha_train.model_folders import check_model_folder
-from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, HeadMapError, source_head_map
-from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
-from dha_train.ops.grouping import partition_to_assignment
-from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
+from dha_train.models.head_map import HeadMap, HeadMapError, source_head_map
 from dha_train.ops.mla import PAIR_CRITERIA
-from dha_train.paths import refuse_nonempty, staged_folder
-
-
-def as_contiguous_gqa(head_map: HeadMap) -> tuple[HeadMap, list[list[int]]] | None:
-    """If reordering query heads turns the map into standard GQA, return that map and the per-layer order."""
-    order = head_map.contiguous_permutation()
-    permuted = head_map.permuted(order)
-    return (permuted, order) if permuted.uniform_gqa_groups() is not None else None
-
-
-def source_order(source: HeadMap, query_order: list[list[int]]) -> list[list[int]]:
-    """Per layer, the order of the source's K/V heads that a query-head reorder implies (each source head in the
-    place of its first query head). Valid when the reorder keeps every source head's query heads together, which
-    ``contiguous_permutation`` does for a target that groups whole source heads."""
-    orders = []
-    for layer, order in zip(source.layers, query_order):
-        orders.append(list(dict.fromkeys(layer.key[h] for h in order)))
-    return orders
-
-
-def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: HeadMap, *,
-                       overwrite: bool = False) -> Path:
-    """Mean-pool the K/V heads of an MHA or GQA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    check_model_folder(model_dir, who='convert')
-    refuse_nonempty(out_dir, overwrite)  # fail before the slow part
-    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
-    head_map.check_fits(config)
-    source = source_head_map(config, 'convert')
-    head_map.source_partitions(source)  # a target that splits a source head fails here, before loading
-    model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=torch.float32)
-    state = model.state_dict()
-    del model
-
-    contiguous = as_contiguous_gqa(head_map)
-    if contiguous is not None:
-        head_map, order = contiguous
-        state = permute_llama_state_dict(state, order, head_map.head_dim, kv_orders=source_order(source, order))
-        source = source.permuted(order)
-    key_partitions, value_partitions = head_map.source_partitions(source)
-    def as_maps(partitions):  # groups of source heads -> each source head's compact head
-        return [partition_to_assignment(p, sum(map(len, p))).tolist() for p in partitions]
-
-    state = mean_pool_llama_state_dict(state, as_maps(key_partitions), as_maps(value_partitions), head_map.head_dim)
-    settings = config.to_diff_dict()
-    if contiguous is not None:
-        config.num_key_value_heads = head_map.uniform_gqa_groups()
-        converted = LlamaForCausalLM(config)
-    else:
-        # K and V grouped differently, or unequal groups: the decoupled-head model serves any head map.
-        settings.pop('num_key_value_heads', None)
-        converted = DhaLlamaForCausalLM(DhaLlamaConfig(head_map=head_map.to_dict(), **settings))
-    converted.load_state_dict(state)
-
-    with staged_folder(out_dir, overwrite) as staging:
-        converted.save_pretrained(staging, safe_serialization=True)
-        head_map.save(staging / HEAD_MAP_FILE)
-        if (model_dir / 'tokenizer_config.json').is_file():
-            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
-    return out_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

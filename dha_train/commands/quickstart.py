@@ -27,8 +27,8 @@ from transformers import AutoConfig
 
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.commands.arguments import add_teacher_argument
-from dha_train.commands.convert import convert_checkpoint
 from dha_train.config import ConfigError, load_config
+from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.data.corpus import build_stdlib_corpus, iter_corpus_texts
 from dha_train.data.prep import prep_redpajama
 from dha_train.data.tokenizer import train_byte_level_bpe

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from dha_train.commands.align import ALIGNMENT_REPORT, TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.config import ConfigError
+from dha_train.conversion.align import ALIGNMENT_REPORT, TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.alignment import plane_rotation
 from helpers import HEAD_DIM, HEADS, launcher_env, planted_mha

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.cli import main
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.methods import kv_cache_bytes
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2

@@ -25,7 +25,7 @@ import export_probe
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
 from dha_train.cli import main
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.data.tokenizer import load_tokenizer
 from helpers import REPO, TINY_MAP
 

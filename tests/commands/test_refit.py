@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dha_train.cli import main
-from dha_train.commands.convert import convert_checkpoint
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import REFIT_REPORT, RefitError, RefitSettings, refit_folder
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap, LayerHeadMap

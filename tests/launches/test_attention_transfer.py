@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dha_train.commands.convert import convert_checkpoint
+from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.export import export_hf
 from dha_train.models.head_map import HeadMap
 from helpers import REPO, launch_and_kill_after_checkpoint, run_composer, save_tiny_llama

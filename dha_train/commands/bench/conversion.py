@@ -43,12 +43,12 @@ from transformers import AutoConfig
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
-from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
-from dha_train.commands.convert import convert_checkpoint
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla, default_rope_pairs
 from dha_train.commands.quickstart import run_quickstart
-from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
+from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap

@@ -70,12 +70,12 @@ import torch
 
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
-from dha_train.commands.align import TARGET_MAP_FILE, AlignSettings, run_align
-from dha_train.commands.convert import convert_checkpoint
-from dha_train.commands.convert_mla import MlaSettings, convert_to_mla, default_rope_pairs
 from dha_train.commands.evaluate import run_eval
-from dha_train.commands.search import SearchSettings, run_search
 from dha_train.config import ConfigError
+from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
 from dha_train.export import export_hf

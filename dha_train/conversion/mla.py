@@ -1,4 +1,4 @@
-"""`dha-train convert --method mla`: an MHA or GQA LLaMA folder to multi-head latent attention (``ops.mla``).
+"""The MLA conversion behind `dha-train convert --method mla`: an MHA or GQA LLaMA folder to multi-head latent attention (``ops.mla``).
 
 Per layer: the RoPE pairs each K/V head keeps (MHA2MLA's 2-norm criterion over calibration queries and keys, or a
 uniform / high-frequency choice), then the position-free keys and the values factored jointly into a latent
