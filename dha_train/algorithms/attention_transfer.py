@@ -13,9 +13,11 @@ kept on the layer's module per forward (never in a global list). At ``Event.AFTE
 
     lm_weight * L_lm + weight * mean over layers of the normalised MSE
 
-(``lm_weight`` 0 by default). The layer output has the source's values with the converted output's gradient
-path (a straight-through carry, which FSDP2 needs to unshard the layer for backward), so a positive ``lm_weight``
-trains the converted attention on the LM loss with the stream teacher-forced; at 0 that term is exactly zero.
+(``lm_weight`` 0 by default). Under FSDP2, or with a positive ``lm_weight``, the layer output has the source's
+values with the converted output's gradient path (a straight-through carry: FSDP2 unshards a layer for backward
+from hooks on its outputs), so a positive ``lm_weight`` trains the converted attention on the LM loss with the stream
+teacher-forced; at 0 that term is exactly zero. Otherwise the source's output is returned as is and the backward
+pass stays inside each layer's attention.
 ``trainable: attention`` (the default) freezes every parameter but the converted attentions'; ``all`` trains the rest
 too. ``transfer/layer<l>/mse`` and ``transfer/mse`` are logged per batch. The frozen source is not state: a resumed
 run builds it again at INIT and loads the checkpoint's copy of it with the model. Exports drop it
@@ -74,10 +76,12 @@ class AttentionTransfer(Algorithm):
         self.source_path = Path(source_path)
         self.weight, self.lm_weight, self.trainable = weight, lm_weight, trainable
         self._layers: list[nn.Module] = []
+        # Whether layer outputs carry the converted attention's gradient path (see the hook); set at FIT_START.
+        self._carry = lm_weight > 0
         self._terms: Optional[torch.Tensor] = None  # detached per-layer MSE of the last micro-batch
 
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.INIT, Event.AFTER_LOSS, Event.BATCH_END)
+        return event in (Event.INIT, Event.FIT_START, Event.AFTER_LOSS, Event.BATCH_END)
 
     def _install(self, state: State) -> None:
         model = hf_model(state.model)
@@ -110,8 +114,7 @@ class AttentionTransfer(Algorithm):
                 layer.self_attn.register_forward_hook(self._hook(layer), with_kwargs=True)
                 self._layers.append(layer)
 
-    @staticmethod
-    def _hook(layer: nn.Module):
+    def _hook(self, layer: nn.Module):
         def teacher_forced(module, args, kwargs, output):
             source = getattr(layer, SOURCE_MODULE)
             call = dict(kwargs)
@@ -124,17 +127,24 @@ class AttentionTransfer(Algorithm):
             converted = output[0]
             error = (converted.float() - reference.float()).pow(2).sum()
             source.transfer_mse = error / reference.float().pow(2).sum().clamp_min(1e-12)
+            reference = reference.to(converted.dtype)
+            if not self._carry:
+                return (reference, *output[1:])
             # The layer carries the source's values on, with the converted output's autograd node behind them:
             # FSDP2 unshards a layer for backward from hooks on its outputs, so the transfer loss must reach the
-            # converted attention through the layer output too. Its gradient there is d(lm_weight * L_lm), exactly
-            # zero at lm_weight 0 (Event.AFTER_LOSS cancels the LM term on the same tensor).
-            carried = reference.to(converted.dtype) + (converted - converted.detach())
-            return (carried, *output[1:])
+            # converted attention through the layer output too, and a positive lm_weight trains it through the
+            # stream. Its gradient there is d(lm_weight * L_lm), exactly zero at lm_weight 0 (Event.AFTER_LOSS
+            # cancels the LM term on the same tensor), but the backward pass then runs through every layer.
+            return (reference + (converted - converted.detach()), *output[1:])
         return teacher_forced
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._install(state)
+        elif event == Event.FIT_START:
+            # FSDP2 wraps each decoder layer as an FSDPModule subclass after INIT
+            self._carry = self.lm_weight > 0 or any(type(layer).__name__.startswith('FSDP') for layer in
+                                                    hf_model(state.model).model.layers)
         elif event == Event.AFTER_LOSS:
             errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in self._layers])
             lm = state.outputs['loss']
