@@ -153,6 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help='leave out the healing rows (refit, attention transfer, KL after each 0-token conversion)')
     real.add_argument('--refit-tokens', dest='refit_tokens', type=int, default=None,
                       help='calibration tokens of the healing refit (default 16384 CPU, 65536 cuda)')
+    real.add_argument('--transfer-lr', dest='transfer_lr', type=float, default=3.0e-4,
+                      help='attention transfer\'s peak lr (default 3e-4)')
+    real.add_argument('--kl-lr', dest='kl_lr', type=float, default=1.0e-4, help='the KL stage\'s peak lr (default 1e-4)')
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
@@ -206,7 +209,8 @@ def run_real(args: argparse.Namespace) -> int:
         out=args.out, device=args.device, tokens=args.tokens, limit=args.limit, seq_len=args.seq_len,
         batch=args.batch, microbatch=args.microbatch, val_tokens=args.val_tokens, calib_tokens=args.calib_tokens,
         search_batches=args.search_batches, refit_tokens=args.refit_tokens, heal=args.heal,
-        transfer_fraction=args.transfer_fraction, asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
+        transfer_fraction=args.transfer_fraction, transfer_lr=args.transfer_lr, kl_lr=args.kl_lr,
+        asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
         budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,
         seed=args.seed))
     return 0

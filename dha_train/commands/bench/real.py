@@ -132,6 +132,8 @@ class RealSettings:
     overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
     heal: bool = True  # healing rows (refit, attention transfer, KL) after each method's 0-token conversion
     transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
+    transfer_lr: float = 3.0e-4  # attention transfer's peak lr (only the attention trains)
+    kl_lr: float = 1.0e-4  # the KL stage's peak lr
 
 
 # Defaults per device: the CPU setting fits about an hour on the 2-core CI machine; the GPU one is a larger run.
@@ -332,9 +334,11 @@ class _Bench:
         return trainer, config, hf, save_folder
 
     def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
-                 **extra) -> dict:
+                 key: str | None = None, **extra) -> dict:
+        """``key`` names the evaluation's stage folder (default: from the label); give one when the label does not
+        say everything the model depends on."""
         s = self.settings
-        key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
+        key = key or re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
 
         def build(out: Path) -> dict:
             result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, limit=s.limit, include=s.include, out=out,
@@ -395,28 +399,35 @@ class _Bench:
 
         refitted = _run_stage(self.runs, f'{name}-refit', refit)
         seconds += refitted['seconds']
-        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit', **extra)
+        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
+                      stage_s=refitted['seconds'], **extra)
 
-        def train(recipe: str, stage: str, model: str, batches: int, seed: int):
+        def train(recipe: str, stage: str, model: str, batches: int, seed: int, lr: float):
             def build(out: Path) -> dict:
                 run = f'{name}-{stage}'
                 self._command('train', str(recipe_path(recipe)), *self.overrides(
-                    run, batches, model_path=model, source_path=self.source), f'seed={seed}')
+                    run, batches, model_path=model, source_path=self.source, lr=lr), f'seed={seed}')
                 save_folder = self.runs / 'checkpoints' / run
                 self._command('export', str(save_folder), str(out / 'hf'), '--overwrite')
                 shutil.rmtree(save_folder, ignore_errors=True)
                 return {'hf_folder': str(out / 'hf'), 'tokens': batches * s.batch * s.seq_len}
             return _run_stage(self.runs, f'{name}-{stage}', build)
 
-        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
-        transferred = train('real/transfer.yaml', 'transfer', refitted['hf_folder'], transfer_batches, s.seed + 101)
+        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches; its folder
+        # (and its evaluation's) is named by its lr, which the bench sets over the recipe's.
+        transfer_stage = f'transfer-lr{s.transfer_lr:g}'
+        kl_stage = f'{transfer_stage}-kl-lr{s.kl_lr:g}'
+        transferred = train('real/transfer.yaml', transfer_stage, refitted['hf_folder'], transfer_batches,
+                            s.seed + 101, s.transfer_lr)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
-                      stage='transfer', **extra)
-        distilled = train('real/kl.yaml', 'kl', transferred['hf_folder'], kl_batches, s.seed + 102)
+                      key=f'{name}-{transfer_stage}', stage='transfer', lr=s.transfer_lr,
+                      stage_s=transferred['seconds'], **extra)
+        distilled = train('real/kl.yaml', kl_stage, transferred['hf_folder'], kl_batches, s.seed + 102, s.kl_lr)
         seconds += distilled['seconds']
         self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
-                      transferred['tokens'] + distilled['tokens'], seconds, stage='kl', **extra)
+                      transferred['tokens'] + distilled['tokens'], seconds, key=f'{name}-{kl_stage}', stage='kl',
+                      lr=s.kl_lr, stage_s=distilled['seconds'], **extra)
 
     # --- methods ---------------------------------------------------------------------------------------------
     def teacher(self) -> None:
