@@ -62,6 +62,30 @@ def test_quickstart_short_run_then_reuse(tmp_path):
         assert f'{stage}: reusing finished stage' in second.stdout
     assert json.loads((out / 'summary.json').read_text())['per_domain_val_loss'] == rows
 
+    # Healing on the quickstart teacher: launch/heal.sh refits its mean-pool GQA model, then attention transfer and
+    # KL distillation, each a real 2-process FSDP2 run; run again, every stage is found done.
+    from helpers import launcher_env
+
+    heal = ['bash', str(REPO / 'launch' / 'heal.sh'), str(out / 'export' / 'hf'), str(out / 'gqa_convert' / 'hf'),
+            str(out / 'data'), str(tmp_path / 'heal'), '2', str(REPO / 'yamls' / 'healing' / 'tiny_transfer.yaml'),
+            str(REPO / 'yamls' / 'healing' / 'tiny_kl.yaml'), 'variables.steps=4ba', 'save_interval=2ba',
+            'global_train_batch_size=8', 'device_train_microbatch_size=4', 'console_log_interval=1ba']
+    healed = subprocess.run(heal, capture_output=True, text=True, env=launcher_env(HEAL_NAME='qs'), cwd=REPO,
+                            timeout=900)
+    log = healed.stdout + healed.stderr
+    assert healed.returncode == 0, log[-4000:]
+    assert 'dha-train refit: wrote' in log and 'Train transfer/mse' in log and 'distill/kl' in log
+    refit = json.loads((tmp_path / 'heal' / 'qs-refit' / 'refit.json').read_text())
+    assert refit['mean_key_error_after'] < refit['mean_key_error_before']
+    assert refit['mean_value_error_after'] < refit['mean_value_error_before']
+    for stage in ('refit', 'transfer-hf', 'kl-hf'):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / 'heal' / f'qs-{stage}')
+        assert type(model).__name__ == 'LlamaForCausalLM' and model.config.num_key_value_heads == 2
+    again = subprocess.run(heal, capture_output=True, text=True, env=launcher_env(HEAL_NAME='qs'), cwd=REPO,
+                           timeout=120)
+    assert again.returncode == 0 and again.stdout.strip().endswith(f'heal: {tmp_path}/heal/qs-kl-hf')
+    assert 'Train' not in again.stdout + again.stderr  # nothing trained twice
+
 
 def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_path):
 
