@@ -46,10 +46,9 @@ from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.methods import TRAINING_ONLY_MODULES
 from dha_train.model_folders import check_model_folder
-from dha_train.models.llama_layout import hf_model
+from dha_train.models.llama_layout import TRAINABLE, hf_model, train_only_attention
 
 SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
-TRAINABLE = ('attention', 'all')
 
 
 def _source_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -98,7 +97,7 @@ class AttentionTransfer(Algorithm):
                  for kind in (('weight', 'bias') if source_config.attention_bias else ('weight',))]
         tensors = {} if on_meta else _source_tensors(self.source_path, names)
         if self.trainable == 'attention':
-            model.requires_grad_(False)
+            train_only_attention(model)
         # Building draws random initial weights; forking keeps them out of the training RNG streams (exact resume).
         with torch.random.fork_rng():
             for index, layer in enumerate(layers):
@@ -110,7 +109,6 @@ class AttentionTransfer(Algorithm):
                                             if name.startswith(prefix)})
                 source.requires_grad_(False)
                 layer.add_module(SOURCE_MODULE, source)
-                layer.self_attn.requires_grad_(True)
                 layer.self_attn.register_forward_hook(self._hook(layer), with_kwargs=True)
                 self._layers.append(layer)
 
@@ -123,7 +121,7 @@ class AttentionTransfer(Algorithm):
             if args:  # hidden_states given positionally
                 call['hidden_states'] = args[0]
             with torch.no_grad():
-                reference, weights = source(**call)
+                reference = source(**call)[0]
             converted = output[0]
             error = (converted.float() - reference.float()).pow(2).sum()
             source.transfer_mse = error / reference.float().pow(2).sum().clamp_min(1e-12)

@@ -30,7 +30,7 @@ from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.distributed import causal_lm_on_meta, shard_like
 from dha_train.errors import InputNotFoundError
-from dha_train.models.llama_layout import attention_modules, hf_model
+from dha_train.models.llama_layout import TRAINABLE, hf_model, train_only_attention
 from dha_train.ops.distill import bild_loss, kl_loss
 
 
@@ -44,8 +44,8 @@ class Distillation(Algorithm):
         if not (Path(teacher_path) / 'config.json').is_file():
             raise InputNotFoundError(f'distillation: teacher_path {teacher_path} is not an HF model folder '
                                     '(no config.json)')
-        if trainable not in ('all', 'attention'):
-            raise ValueError(f"distillation: trainable must be 'all' or 'attention', got '{trainable}'")
+        if trainable not in TRAINABLE:
+            raise ValueError(f"distillation: trainable must be one of {', '.join(TRAINABLE)}, got '{trainable}'")
         self.trainable = trainable
         self.teacher_path = teacher_path
         self.kl_weight, self.bild_weight, self.lm_weight = kl_weight, bild_weight, lm_weight
@@ -82,10 +82,7 @@ class Distillation(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT and self.trainable == 'attention':
             # Healing's KL stage may train the converted attention alone; frozen before the FSDP wrap.
-            model = hf_model(state.model)
-            model.requires_grad_(False)
-            for attention in attention_modules(model):
-                attention.requires_grad_(True)
+            train_only_attention(hf_model(state.model))
         elif event == Event.FIT_START:
             if self.teacher is None:
                 self._load_teacher(state)

@@ -14,7 +14,7 @@ hidden x hidden Gram per layer, so memory does not grow with the tokens). Then, 
 
 Every other weight (embeddings, MLP, norms, the MLA latent and RoPE key projections) is the converted folder's.
 Which source query head each converted head comes from is read off the query weights (mean-pool keeps them,
-aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's row norms unchanged). MoH keeps
+aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's B^T B unchanged). MoH keeps
 every K/V head, so there is nothing to refit: refused.
 """
 
@@ -37,13 +37,14 @@ from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops import refit as fit
+from dha_train.ops.heads import split_heads
 from dha_train.ops.mla import nope_dims
 from dha_train.paths import refuse_nonempty, staged_folder
 
 REFIT_REPORT = 'refit.json'
 REFITTABLE = ('llama', 'dha_llama', 'mla_llama')
-# A converted query head whose per-pair row norms differ from every source head's by more than this (relative) was
-# not made from that source.
+# A converted query head whose per-pair B^T B differs from every source head's by more than this (relative) was not
+# made from that source.
 MATCH_TOLERANCE = 0.25
 
 
@@ -103,7 +104,7 @@ def _layer_gram(stats, layer: int) -> torch.Tensor:
     return running.gram / running.count
 
 
-def _source_weights(attention) -> dict[str, torch.Tensor]:
+def _attention_weights(attention) -> dict[str, torch.Tensor]:
     return {name: getattr(attention, f'{name}_proj').weight.detach().double()
             for name in ('q', 'k', 'v', 'o')}
 
@@ -111,11 +112,9 @@ def _source_weights(attention) -> dict[str, torch.Tensor]:
 def _head_map_errors(source, converted, maps, gram, head_dim) -> tuple[float, float]:
     """Relative key-logit and value-output errors of a head-mapped layer (``ops.refit`` objectives)."""
     query_source, source_kv, key_of_query, value_of_query = maps
-    split = lambda rows: rows.reshape(-1, head_dim, rows.shape[-1])  # noqa: E731
-    q_s, k_s, v_s = split(source['q']), split(source['k']), split(source['v'])
-    o_s = split(source['o'].T).transpose(1, 2)
-    q_c, k_c, v_c = split(converted['q']), split(converted['k']), split(converted['v'])
-    o_c = split(converted['o'].T).transpose(1, 2)
+    q_s, k_s, v_s = (split_heads(source[name], head_dim) for name in ('q', 'k', 'v'))
+    q_c, k_c, v_c = (split_heads(converted[name], head_dim) for name in ('q', 'k', 'v'))
+    o_s, o_c = fit.output_blocks(source['o'], head_dim), fit.output_blocks(converted['o'], head_dim)
     key = [0.0, 0.0]
     value = [0.0, 0.0]
     for head, source_head in enumerate(query_source):
@@ -128,18 +127,14 @@ def _head_map_errors(source, converted, maps, gram, head_dim) -> tuple[float, fl
     return key[0] / max(key[1], 1e-30), value[0] / max(value[1], 1e-30)
 
 
-def _head_map_of(config) -> HeadMap:
-    return HeadMap.from_hf_config(config)
-
-
 def _refit_head_mapped(source_model, converted_model, stats, source_map: HeadMap, head_dim: int) -> list[dict]:
-    target_map = _head_map_of(converted_model.config)
+    target_map = HeadMap.from_hf_config(converted_model.config)
     layers = []
     for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
                                                     attention_modules(converted_model))):
         gram = _layer_gram(stats, index)
-        source = _source_weights(source_attn)
-        converted = _source_weights(attn)
+        source = _attention_weights(source_attn)
+        converted = _attention_weights(attn)
         query_source, mismatch = match_query_heads(source['q'], converted['q'], head_dim)
         if mismatch > MATCH_TOLERANCE:
             raise RefitError(f'refit: layer {index}: the converted query heads do not match the source\'s (relative '
@@ -151,23 +146,22 @@ def _refit_head_mapped(source_model, converted_model, stats, source_map: HeadMap
         result = fit.refit_head_map_layer(source, gram, head_dim, source_kv_of_query=source_kv,
                                           query_source=query_source, key_of_query=layer_map.key,
                                           value_of_query=layer_map.value)
-        new = {'q': result.q, 'k': result.k, 'v': result.v, 'o': result.o}
         with torch.no_grad():
-            for name, weight in new.items():
+            for name, weight in (('q', result.q), ('k', result.k), ('v', result.v), ('o', result.o)):
                 projection = getattr(attn, f'{name}_proj').weight
                 projection.copy_(weight.to(projection.dtype))
-        after = _head_map_errors(source, new, maps, gram, head_dim)
+        # the fit's residuals are the same objectives (tests/ops/test_ops_refit.py checks that they agree)
         layers.append({'layer': index, 'query_mismatch': round(mismatch, 6),
-                       'key_error_before': before[0], 'key_error_after': after[0],
-                       'value_error_before': before[1], 'value_error_after': after[1]})
+                       'key_error_before': before[0], 'key_error_after': result.key_residual / max(result.key_total, 1e-30),
+                       'value_error_before': before[1],
+                       'value_error_after': result.value_residual / max(result.value_total, 1e-30)})
     return layers
 
 
 def _mla_value_output_error(source, attn, up_value, out_columns, down, gram, head_dim) -> float:
     """Relative E||sum over heads (O V x - O' U_v A x)||^2 per head, summed: the value-output objective on the
     latent (targets O_h V_h, the converted map O'_h U_v A)."""
-    split = lambda rows: rows.reshape(-1, head_dim, rows.shape[-1])  # noqa: E731
-    v_s, o_s = split(source['v']), split(source['o'].T).transpose(1, 2)
+    v_s, o_s = split_heads(source['v'], head_dim), fit.output_blocks(source['o'], head_dim)
     group = attn.num_key_value_groups
     error = total = 0.0
     for head in range(o_s.shape[0]):
@@ -182,7 +176,7 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
     for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
                                                     attention_modules(converted_model))):
         gram = _layer_gram(stats, index)
-        source = _source_weights(source_attn)
+        source = _attention_weights(source_attn)
         q_converted = attn.q_proj.weight.detach().double()
         query_source, mismatch = match_query_heads(source['q'], q_converted, head_dim)
         if query_source != list(range(len(query_source))) or mismatch > MATCH_TOLERANCE:
@@ -190,15 +184,14 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
                              f'mismatch {mismatch:.2g}): was it converted from this source?')
         down = attn.kv_down_proj.weight.detach().double()
         kv_heads, group = attn.num_kv_heads, attn.num_key_value_groups
-        up_key, up_value, _, _ = (t.detach().double() if t is not None else None for t in attn._split_up())
-        o_blocks = source['o'].T.reshape(-1, head_dim, source['o'].shape[0]).transpose(1, 2)
+        up_value = attn._split_up()[1].detach().double()
+        o_blocks = fit.output_blocks(source['o'], head_dim)
         before = _mla_value_output_error(source, attn, up_value,
-                                         attn.o_proj.weight.detach().double().T.reshape(-1, head_dim, o_blocks.shape[1])
-                                         .transpose(1, 2), down, gram, head_dim)
+                                         fit.output_blocks(attn.o_proj.weight.detach().double(), head_dim), down, gram,
+                                         head_dim)
         kept = torch.tensor(converted_model.config.layer_layout(index)[1], dtype=torch.long)
         nope = nope_dims(kept, head_dim)
-        k_heads = source['k'].reshape(kv_heads, head_dim, -1)
-        v_heads = source['v'].reshape(kv_heads, head_dim, -1)
+        k_heads, v_heads = split_heads(source['k'], head_dim), split_heads(source['v'], head_dim)
         new_keys, new_values, new_o = [], [], o_blocks.clone()
         for kv in range(kv_heads):
             key_rows, latent_gram = fit.regress_onto_latent(k_heads[kv][nope[kv]], gram, down)
@@ -209,10 +202,9 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
             new_values.append(value_fit.rows)
             new_o[heads] = value_fit.output_columns
         up = torch.cat([torch.cat(new_keys), torch.cat(new_values)])
-        output = new_o.transpose(1, 2).reshape(-1, o_blocks.shape[1]).T
         with torch.no_grad():
             attn.kv_up_proj.weight.copy_(up.to(attn.kv_up_proj.weight.dtype))
-            attn.o_proj.weight.copy_(output.to(attn.o_proj.weight.dtype))
+            attn.o_proj.weight.copy_(fit.output_weight(new_o).to(attn.o_proj.weight.dtype))
         after = _mla_value_output_error(source, attn, torch.stack(new_values), new_o, down, gram, head_dim)
         layers.append({'layer': index, 'value_error_before': before, 'value_error_after': after})
     return layers

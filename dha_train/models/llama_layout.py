@@ -36,6 +36,16 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in layers]
 
 
+TRAINABLE = ('attention', 'all')  # what a healing stage trains: the attention modules alone, or every parameter
+
+
+def train_only_attention(model: nn.Module) -> None:
+    """Freeze every parameter but the attention modules' (healing stages that train the converted attention)."""
+    model.requires_grad_(False)
+    for attention in attention_modules(model):
+        attention.requires_grad_(True)
+
+
 def is_decoder_block(module: nn.Module) -> bool:
     """FSDP2 shards each decoder layer as its own unit. By class name, so attention variants that subclass or
     replace the decoder layer are wrapped the same way."""

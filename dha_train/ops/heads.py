@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 
-def _split_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+def split_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(heads * head_dim, ...) -> (heads, head_dim, ...)."""
     if rows.shape[0] % head_dim:
         raise ValueError(f'{rows.shape[0]} rows are not a whole number of {head_dim}-dim heads')
@@ -27,7 +27,7 @@ def mean_pool_heads(rows: torch.Tensor, head_to_group: Sequence[int], head_dim: 
     heads); ``head_to_group[s]`` is the compact head that head s joins. Returns the compact projection with one head
     per group, in group order.
     """
-    heads = _split_heads(rows, head_dim)
+    heads = split_heads(rows, head_dim)
     if heads.shape[0] != len(head_to_group):
         raise ValueError(f'projection has {heads.shape[0]} heads but the map covers {len(head_to_group)}')
     index = torch.as_tensor(head_to_group, dtype=torch.long, device=rows.device)
@@ -40,7 +40,7 @@ def mean_pool_heads(rows: torch.Tensor, head_to_group: Sequence[int], head_dim: 
 
 def gather_heads(rows: torch.Tensor, index: Sequence[int], head_dim: int) -> torch.Tensor:
     """New head i is old head ``index[i]`` (a permutation reorders heads; a head map expands compact heads)."""
-    heads = _split_heads(rows, head_dim)[torch.as_tensor(index, dtype=torch.long)]
+    heads = split_heads(rows, head_dim)[torch.as_tensor(index, dtype=torch.long)]
     return heads.reshape(len(index) * head_dim, *rows.shape[1:])
 
 

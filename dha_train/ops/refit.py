@@ -38,14 +38,19 @@ from dataclasses import dataclass
 
 import torch
 
+from dha_train.ops.heads import split_heads
+
 EIGEN_FLOOR = 1e-10  # relative floor on the second moment's eigenvalues (a direction no token used)
 
 
-def _heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(heads * d, D) -> (heads, d, D)."""
-    if rows.shape[0] % head_dim:
-        raise ValueError(f'{rows.shape[0]} rows are not a whole number of {head_dim}-dim heads')
-    return rows.reshape(rows.shape[0] // head_dim, head_dim, rows.shape[1])
+def output_blocks(o_weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An o_proj weight (D_out, heads * d) as its per-head blocks (heads, D_out, d)."""
+    return split_heads(o_weight.T, head_dim).transpose(1, 2)
+
+
+def output_weight(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``output_blocks``: (heads, D_out, d) -> (D_out, heads * d)."""
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1]).T
 
 
 def _complex_pairs(heads: torch.Tensor) -> torch.Tensor:
@@ -61,7 +66,7 @@ def _real_rows(pairs: torch.Tensor) -> torch.Tensor:
 
 def pair_energy(rows: torch.Tensor, gram: torch.Tensor, head_dim: int) -> torch.Tensor:
     """E|z_p|^2 for every head and RoPE pair of a q/k projection: (heads, d/2)."""
-    heads = _heads(rows.double(), head_dim)
+    heads = split_heads(rows.double(), head_dim)
     projected = heads @ gram.double()
     per_dim = (projected * heads).sum(-1)  # E[(w . x)^2] per row
     half = head_dim // 2
@@ -225,12 +230,13 @@ def refit_head_map_layer(source: dict[str, torch.Tensor], gram: torch.Tensor, he
     of source query head s; ``query_source[h]``: the source query head that converted query head h derives from;
     ``key_of_query`` / ``value_of_query``: the converted map. Returns the converted layer's weights, in its order.
     """
-    q_heads = _heads(source['q'].double(), head_dim)
-    k_heads = _heads(source['k'].double(), head_dim)
-    v_heads = _heads(source['v'].double(), head_dim)
-    o_blocks = _heads(source['o'].double().T, head_dim).transpose(1, 2)  # (heads, D_out, d)
+    q_heads = split_heads(source['q'].double(), head_dim)
+    if sorted(query_source) != list(range(q_heads.shape[0])):
+        raise ValueError(f'query_source {list(query_source)} must be a permutation of the {q_heads.shape[0]} heads')
+    k_heads = split_heads(source['k'].double(), head_dim)
+    v_heads = split_heads(source['v'].double(), head_dim)
+    o_blocks = output_blocks(source['o'].double(), head_dim)           # (heads, D_out, d)
     query_energy = pair_energy(source['q'], gram, head_dim)              # per source query head
-    heads = len(query_source)
     new_q = q_heads[list(query_source)].clone()
     new_o = o_blocks[list(query_source)].clone()
     keys, key_residual, key_total = [], 0.0, 0.0
@@ -252,8 +258,5 @@ def refit_head_map_layer(source: dict[str, torch.Tensor], gram: torch.Tensor, he
         value_residual, value_total = value_residual + fit.residual, value_total + fit.total
         for index, head in enumerate(readers):
             new_o[head] = fit.output_columns[index]
-    if sorted(set(query_source)) != list(range(heads)) or len(query_source) != q_heads.shape[0]:
-        raise ValueError(f'query_source {list(query_source)} must be a permutation of the {q_heads.shape[0]} heads')
-    return LayerRefit(new_q.reshape(-1, new_q.shape[-1]), torch.cat(keys), torch.cat(values),
-                      new_o.transpose(1, 2).reshape(heads * head_dim, -1).T,
+    return LayerRefit(new_q.reshape(-1, new_q.shape[-1]), torch.cat(keys), torch.cat(values), output_weight(new_o),
                       key_residual, key_total, value_residual, value_total)
