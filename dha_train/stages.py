@@ -11,8 +11,12 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,15 +51,21 @@ class Stage:
         self.marker.write_text(json.dumps(result, indent=2))
         return result
 
-    def run(self, build, say) -> dict:
+    def run(self, build, say, isolated: bool = False) -> dict:
         """``build(stage_dir)`` once: a finished stage's result is reused; a fresh one records its seconds. ``say``
         prints progress. Memory is released after the build (``release_freed_memory``), so a stage's trainer, models
-        and optimizer state go before the next stage builds its own."""
+        and optimizer state go before the next stage builds its own.
+
+        ``isolated=True`` runs the build in a fresh Python process (the closure travels by cloudpickle), so a caller
+        that builds stage after stage does not keep what each one leaves in its heap; the result comes back through
+        the DONE marker. A fresh process and not a fork: a fork of a process whose torch thread pool has run hangs."""
         name = self.dir.name
         result = self.done()
         if result is not None:
             say(f'{name}: reusing finished stage in {self.dir}')
             return result
+        if isolated:
+            return self._run_in_child(build, say)
         say(f'{name}: running')
         started = time.perf_counter()
         result = build(self.dir)
@@ -63,6 +73,38 @@ class Stage:
         result['seconds'] = round(time.perf_counter() - started, 1)
         say(f'{name}: done in {result["seconds"]} s')
         return self.finish(result)
+
+    def _run_in_child(self, build, say) -> dict:
+        import cloudpickle
+
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        payload = self.dir.parent / f'.{self.dir.name}.build.pkl'
+        payload.write_bytes(cloudpickle.dumps((build, say)))
+        # the child imports what the parent can (functions of importable modules travel by reference)
+        environment = {**os.environ, 'PYTHONPATH': os.pathsep.join(path for path in sys.path if path)}
+        try:
+            code = subprocess.run([sys.executable, '-m', 'dha_train.stages', str(self.dir.parent), self.dir.name,
+                                   str(payload)], env=environment).returncode
+        finally:
+            payload.unlink(missing_ok=True)
+        result = self.done()
+        if code or result is None:
+            raise RuntimeError(f'stage {self.dir.name} failed in its own process (exit code {code}); its traceback '
+                               'is printed above')
+        return result
+
+
+def _run_stage_process(run: str, name: str, payload: str) -> int:
+    """The child of ``Stage.run(isolated=True)``: unpickle the build and run the stage here."""
+    import pickle
+
+    try:
+        build, say = pickle.loads(Path(payload).read_bytes())
+        Stage(Path(run), name).run(build, say)
+    except BaseException:  # noqa: BLE001 - any failure is reported to the parent through the exit code
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def release_freed_memory() -> None:
@@ -173,3 +215,10 @@ def gqa_kv_heads(num_heads: int) -> int:
         raise ConfigError(f'quickstart: a {KV_BUDGET:.0%} KV budget of {num_heads} heads per layer is not a whole '
                           'divisor of the heads; give the teacher a head count divisible by 4')
     return kv_heads
+
+
+if __name__ == '__main__':
+    exit_code = _run_stage_process(*sys.argv[1:4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # not sys.exit: a trainer's leftover non-daemon threads must not keep the child alive

@@ -64,3 +64,29 @@ def test_the_stream_is_teacher_forced_and_the_loss_is_the_normalised_attention_m
     torch.stack(errors).mean().backward()
     for name, parameter in converted.named_parameters():
         assert (parameter.grad is not None) == ('self_attn' in name), name
+
+
+def test_activation_checkpointing_gives_the_same_layer_losses_and_gradients(tmp_path, tokenizer_dir):
+    # the recipes at 7B/8B checkpoint every decoder layer: the hook runs again in the recomputation, which must
+    # change neither the losses nor the gradients
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointing in (False, True):
+        _, converted = _models(tmp_path / str(checkpointing), tokenizer_dir)
+        AttentionTransfer(str(tmp_path / str(checkpointing) / 'source'))._install(SimpleNamespace(model=converted))
+        if checkpointing:
+            converted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+        converted.train()
+        calls = []
+        getattr(converted.model.layers[0], SOURCE_MODULE).register_forward_hook(lambda *_: calls.append(1))
+        converted(ids)
+        errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in converted.model.layers])
+        errors.mean().backward()
+        assert len(calls) == (2 if checkpointing else 1)  # the recomputation did run the layer again
+        grads = {name: p.grad.clone() for name, p in converted.named_parameters() if p.grad is not None}
+        results.append((errors.detach(), grads))
+    (plain_errors, plain_grads), (checkpointed_errors, checkpointed_grads) = results
+    torch.testing.assert_close(checkpointed_errors, plain_errors, rtol=1e-6, atol=0)
+    assert plain_grads.keys() == checkpointed_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

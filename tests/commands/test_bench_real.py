@@ -62,7 +62,8 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     results = run_real_bench(RealSettings(
         out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
         tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=limit, val_tokens=4 * SEQ_LEN, calib_tokens=128,
-        search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False))
+        search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False,
+        isolate_stages=False))
     rows = {row['label']: row for row in results['rows']}
     teacher = LlamaConfig.from_pretrained(source)
     teacher_bytes = kv_cache_bytes(teacher)
@@ -120,7 +121,7 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
         out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
         tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, calib_tokens=128,
         refit_tokens=512, search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)],
-        methods=('mean_pool',), budgets=('kv1',)))
+        methods=('mean_pool',), budgets=('kv1',), isolate_stages=False))
     rows = {row['label']: row for row in results['rows']}
     budget = results['settings']['training_tokens_per_method']
     assert rows['mean-pool kv1 +refit']['tokens'] == 0 and rows['mean-pool kv1 +refit']['stage'] == 'refit'

@@ -59,8 +59,6 @@ import math
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,6 +73,7 @@ from dha_train.config import ConfigError
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
@@ -130,6 +129,7 @@ class RealSettings:
     train_data: str | None = None  # an existing `data prep` folder (github + wikipedia) instead of the stdlib corpus
     seed: int = 17
     overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
+    isolate_stages: bool = True  # each stage in a fresh process (False: all in this one; the tests' small runs)
     heal: bool = True  # healing rows (refit, attention transfer, KL) after each method's 0-token conversion
     transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
     transfer_lr: float = 3.0e-4  # attention transfer's peak lr (only the attention trains)
@@ -186,12 +186,13 @@ def _say(message: str) -> None:
     print(f'[bench real] {message}', flush=True)
 
 
-def _run_stage(work: Path, name: str, build) -> dict:
+def _run_stage(work: Path, name: str, build, isolated: bool) -> dict:
     def build_in_folder(folder: Path) -> dict:  # this bench's stages write into a folder made for them
         folder.mkdir(parents=True, exist_ok=True)
         return build(folder)
 
-    return Stage(work, name).run(build_in_folder, _say)
+    # each stage in its own process (isolated): one process building 135M model after model grew ~1 GB per stage
+    return Stage(work, name).run(build_in_folder, _say, isolated=isolated)
 
 
 # --- source and data ---------------------------------------------------------------------------------------------
@@ -279,9 +280,10 @@ def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings) -> tuple[
     if settings.train_data is not None:
         train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
     else:
-        train = _run_stage(work, f'data-train-{tokenizer.name}-s{settings.seq_len}-{cap}', train_data)
+        train = _run_stage(work, f'data-train-{tokenizer.name}-s{settings.seq_len}-{cap}', train_data,
+                           settings.isolate_stages)
     heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-s{settings.seq_len}-v{settings.val_tokens}',
-                         heldout_data)
+                         heldout_data, settings.isolate_stages)
     return Path(train['root']), Path(heldout['root']), {'train': train, 'heldout': heldout}
 
 
@@ -355,7 +357,7 @@ class _Bench:
                     'task_data': {task: {k: v for k, v in data.items() if k in ('split', 'lm_eval_split', 'data', 'note')}
                                   for task, data in result.get('task_data', {}).items()}}
 
-        scored = _run_stage(self.evals, key, build)
+        scored = self.stage(self.evals, key, build)
         values = [v for v in scored['accuracy'].values() if v is not None]
         row = {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': scored['val_loss'],
                'accuracy': scored['accuracy'], 'metric': scored['metric'],
@@ -372,13 +374,10 @@ class _Bench:
     def teacher_kv_bytes(self) -> int:
         return self.rows[0]['kv_bytes']
 
-    # --- healing: refit, attention transfer, KL (each stage its own process) ---------------------------------
-    def _command(self, *arguments: str) -> None:
-        done = subprocess.run([sys.executable, '-m', 'dha_train.cli', *arguments], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f'bench real: dha-train {arguments[0]} failed:\n{done.stdout[-3000:]}\n'
-                               f'{done.stderr[-3000:]}')
+    def stage(self, work: Path, name: str, build) -> dict:
+        return _run_stage(work, name, build, self.settings.isolate_stages)
 
+    # --- healing: refit, attention transfer, KL ----------------------------------------------------------------
     def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
              **extra) -> None:
         """The healing rows of one 0-token conversion: refit (0 training tokens), then attention transfer and KL
@@ -390,28 +389,23 @@ class _Bench:
         kl_batches = max(1, self.batches - transfer_batches)
 
         def refit(out: Path) -> dict:
-            self._command('refit', str(self.source), str(converted), str(out / 'hf'), '--data', str(self.train_data),
-                          '--tokens', str(s.refit_tokens), '--seed', str(s.seed), '--device', s.device,
-                          '--overwrite')
-            report = json.loads((out / 'hf' / 'refit.json').read_text())
+            report = refit_folder(self.source, converted, out / 'hf', RefitSettings(
+                data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device), overwrite=True)
             return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
                     **{key: value for key, value in report.items() if key.startswith('mean_')}}
 
-        refitted = _run_stage(self.runs, f'{name}-refit', refit)
+        refitted = self.stage(self.runs, f'{name}-refit', refit)
         seconds += refitted['seconds']
         self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
                       stage_s=refitted['seconds'], **extra)
 
         def train(recipe: str, stage: str, model: str, batches: int, seed: int, lr: float):
             def build(out: Path) -> dict:
-                run = f'{name}-{stage}'
-                self._command('train', str(recipe_path(recipe)), *self.overrides(
-                    run, batches, model_path=model, source_path=self.source, lr=lr), f'seed={seed}')
-                save_folder = self.runs / 'checkpoints' / run
-                self._command('export', str(save_folder), str(out / 'hf'), '--overwrite')
+                _, config, hf, save_folder = self.train(out, recipe, f'{name}-{stage}', batches, seed=seed,
+                                                        model_path=model, source_path=self.source, lr=lr)
                 shutil.rmtree(save_folder, ignore_errors=True)
-                return {'hf_folder': str(out / 'hf'), 'tokens': batches * s.batch * s.seq_len}
-            return _run_stage(self.runs, f'{name}-{stage}', build)
+                return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
+            return self.stage(self.runs, f'{name}-{stage}', build)
 
         # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches; its folder
         # (and its evaluation's) is named by its lr, which the bench sets over the recipe's.
@@ -442,11 +436,11 @@ class _Bench:
             hf = convert_checkpoint(self.source, out / 'hf', head_map, overwrite=True)
             return {'hf_folder': str(hf), 'groups': head_map.source_partitions(self.source_map)[0][0]}
 
-        converted = _run_stage(self.runs, f'{name}-convert', convert)
+        converted = self.stage(self.runs, f'{name}-convert', convert)
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
         self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
-        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
 
@@ -476,7 +470,7 @@ class _Bench:
             return {'aligned': str(out / 'aligned'), 'hf_folder': str(pooled), 'mean_cosine': report['mean_cosine'],
                     'calibration_tokens': s.calib_tokens}
 
-        aligned = _run_stage(self.runs, f'{name}-align', align)
+        aligned = self.stage(self.runs, f'{name}-align', align)
         self.evaluate(f'aligned GQA {budget} @0', 'aligned_gqa', budget, aligned['hf_folder'], 0, aligned['seconds'],
                       calibration_tokens=aligned['calibration_tokens'])
         self.heal(name, f'aligned GQA {budget}', 'aligned_gqa', budget, aligned['hf_folder'], aligned['seconds'])
@@ -490,7 +484,7 @@ class _Bench:
             return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len),
                     'gates_frozen_at': transfer.frozen_at, 'gates_forced_closed': transfer.forced_closed}
 
-        pruned = _run_stage(self.runs, f'{name}-prune', prune)
+        pruned = self.stage(self.runs, f'{name}-prune', prune)
         self.evaluate(f'aligned GQA {budget} +prune', 'aligned_gqa', budget, pruned['hf_folder'], pruned['tokens'],
                       aligned['seconds'] + pruned['seconds'], calibration_tokens=aligned['calibration_tokens'],
                       gates_forced_closed=pruned['gates_forced_closed'])
@@ -518,7 +512,7 @@ class _Bench:
                     'fitness_evaluations': result.report['asym']['fitness_evaluations'],
                     'fitness_tokens_per_evaluation': result.report['asym']['fitness_tokens']}
 
-        found = _run_stage(self.runs, f'{name}-search', search)
+        found = self.stage(self.runs, f'{name}-search', search)
         head_map = HeadMap.load(found['head_map'])
         groups = head_map.source_partitions(self.source_map)
         pooled = HeadMap.pooled(self.source_map, heads).source_partitions(self.source_map)
@@ -534,13 +528,13 @@ class _Bench:
                                       'group_sizes': sizes})
                 return
             _say(f'AsymGQA {budget}: {note}; mean-pool not run, so it runs here')
-        converted = _run_stage(self.runs, f'{name}-convert', lambda out: {'hf_folder': str(convert_checkpoint(
+        converted = self.stage(self.runs, f'{name}-convert', lambda out: {'hf_folder': str(convert_checkpoint(
             self.source, out / 'hf', head_map, overwrite=True))})
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
                       group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
         self.heal(name, f'AsymGQA {budget}', 'asym_gqa', budget, converted['hf_folder'], seconds, group_sizes=sizes)
-        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
 
@@ -566,7 +560,7 @@ class _Bench:
             return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
                     'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
 
-        found = _run_stage(self.runs, f'{name}-search', search)
+        found = self.stage(self.runs, f'{name}-search', search)
         self._dha_start(name, budget, found)
         margin = max(1, self.batches // 4)
 
@@ -582,7 +576,7 @@ class _Bench:
                     'tokens': len(history) * s.batch * s.seq_len,
                     'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
 
-        fused = _run_stage(self.runs, f'{name}-fusion', fusion)
+        fused = self.stage(self.runs, f'{name}-fusion', fusion)
         kv_heads = found['kv_heads']
         extra = {'kv_heads_per_layer': kv_heads, 'search_tokens': found['search_tokens'],
                  'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
@@ -605,7 +599,7 @@ class _Bench:
             shutil.rmtree(save_folder, ignore_errors=True)
             return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
 
-        trained = _run_stage(self.runs, f'{name}-ct', ct)
+        trained = self.stage(self.runs, f'{name}-ct', ct)
         self.evaluate(f'DHA {budget} +CT', 'dha', budget, trained['hf_folder'], fused['tokens'] + trained['tokens'],
                       seconds + trained['seconds'], ct_tokens=trained['tokens'], **extra)
 
@@ -625,7 +619,7 @@ class _Bench:
                 self.rows.append({**row, 'label': row['label'].replace('mean-pool', 'DHA'), 'method': 'dha',
                                   'same_as': row['label'], 'note': 'healing the same 0-token model as mean-pool'})
             return
-        converted = _run_stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
+        converted = self.stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
             self.source, out / 'hf', head_map, overwrite=True))})
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(label, 'dha', budget, converted['hf_folder'], 0, seconds, kv_heads_per_layer=found['kv_heads'])
@@ -647,12 +641,12 @@ class _Bench:
             return {'hf_folder': str(out / 'hf'), 'ranks': report['ranks'], 'rope_pairs': pairs,
                     'calibration_tokens': report['calibration_tokens']}
 
-        converted = _run_stage(self.runs, f'{name}-convert', convert)
+        converted = self.stage(self.runs, f'{name}-convert', convert)
         extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])], 'rope_pairs': pairs,
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
         self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
-        trained = _run_stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
 
@@ -671,7 +665,7 @@ class _Bench:
         def surgery(out: Path) -> dict:
             return {'hf_folder': str(moh_at_surgery(self.source, out / 'hf', shared, top_k))}
 
-        converted = _run_stage(self.runs, f'{name}-surgery', surgery)
+        converted = self.stage(self.runs, f'{name}-surgery', surgery)
         self.evaluate(f'MoH {active}/{heads} @0', 'moh', None, converted['hf_folder'], 0, converted['seconds'], **setting)
 
         def tune(out: Path) -> dict:
@@ -680,7 +674,7 @@ class _Bench:
             shutil.rmtree(save_folder, ignore_errors=True)
             return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
 
-        trained = _run_stage(self.runs, f'{name}-continue', tune)
+        trained = self.stage(self.runs, f'{name}-continue', tune)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **setting)
 
