@@ -219,3 +219,40 @@ def test_tiny_progressive_fusion_run_fuses_pairs_first_then_the_whole_groups(tmp
         assert fusion.stage_subgroups[1][0] == [[0, 1, 2, 3]]
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_fusion_with_the_layerwise_attention_loss_fuses_and_trains_only_attention(tmp_path, data_root,
+                                                                                 tokenizer_dir):
+    # Fusion's data term made local: attention_transfer from the same source replaces the LM loss (README, DHA)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dha_train.algorithms.attention_transfer import AttentionTransfer
+    from dha_train.config import load_config
+    from dha_train.export import export_hf
+    from dha_train.train import train
+    from helpers import save_tiny_llama
+
+    save_tiny_llama(tmp_path / 'source', tokenizer_dir, seed=5, num_attention_heads=4, num_key_value_heads=4)
+    recipe = fusion_recipe(tmp_path, data_root, tokenizer_dir, save_folder=str(tmp_path / 'ckpt'),
+                           save_interval='1000ba', max_duration='24ba')
+    recipe['model'] = {'pretrained_path': str(tmp_path / 'source')}
+    recipe['algorithms']['head_fusion']['lambda_lr'] = 20.0
+    recipe['algorithms']['attention_transfer'] = {'source_path': str(tmp_path / 'source')}
+    trainer = train(load_config(recipe))
+    try:
+        fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
+        transfer = next(a for a in trainer.state.algorithms if isinstance(a, AttentionTransfer))
+        losses = [step['fusion_loss'] for step in fusion.history]
+        assert losses[-1] < 0.5 * losses[0]
+        assert float(transfer._terms.mean()) > 0  # pulled away from the source (equal to it at init)
+    finally:
+        trainer.close()
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == 'DhaLlamaForCausalLM'
+    baked, source = load_file(out / 'model.safetensors'), load_file(tmp_path / 'source' / 'model.safetensors')
+    assert not [name for name in baked if 'transfer' in name]
+    for name, tensor in source.items():  # only the attention trained
+        if 'self_attn' not in name:
+            assert torch.equal(baked[name], tensor), name
