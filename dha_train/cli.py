@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     'data': ('data_prep', 'data preparation (data prep: RedPajama JSONL -> tokenized MDS shards per domain; '
              'data verify: check the shards against their recorded hashes)'),
     'train': ('train', 'train from a YAML recipe in this process (use `composer -n N -m dha_train.train` for several)'),
+    'plan': ('plan', 'a recipe\'s per-rank peak memory, fit on a GPU, FLOPs and wall time, on this CPU (fake tensors, '
+             'no weights or data)'),
     'export': ('export', 'Composer checkpoint -> Hugging Face folder'),
     'eval': ('evaluate', 'lm-evaluation-harness on an HF folder or a checkpoint (any model the project exports)'),
     'local-task': ('local_task', "build the offline multiple-choice lm-eval task from a corpus folder (the "

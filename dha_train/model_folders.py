@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
@@ -27,6 +30,20 @@ _INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
 
 class ModelFolderError(DhaTrainError, ValueError):
     """A model folder that cannot be loaded: the message names the folder and what is wrong."""
+
+
+# `dha-train plan` builds a run without loading a weight: inside ``weights_optional()`` a folder holding only
+# config.json passes (everything else is still checked), wherever in the run's assembly the folder is checked.
+_WEIGHTS_OPTIONAL: ContextVar[bool] = ContextVar('weights_optional', default=False)
+
+
+@contextmanager
+def weights_optional() -> Iterator[None]:
+    token = _WEIGHTS_OPTIONAL.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_OPTIONAL.reset(token)
 
 
 def _check_safetensors(path: Path, where: str) -> None:
@@ -66,6 +83,8 @@ def check_model_folder(folder: str | Path, *, who: str, model_types: tuple[str, 
     if model_type not in model_types:
         raise ModelFolderError(f"{who}: {folder} holds a '{model_type}' model; this takes "
                                f"{', '.join(model_types)} folders")
+    if _WEIGHTS_OPTIONAL.get() and not any((folder / name).is_file() for name in _SINGLE_FILES + _INDEX_FILES):
+        return config
     for index_name in _INDEX_FILES:
         index_file = folder / index_name
         if index_file.is_file():
