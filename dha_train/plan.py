@@ -272,8 +272,26 @@ def run_tokens(config: TrainConfig, seq_len: int) -> int:
 def plan_recipe(recipe: str, overrides: Sequence[str] = (), world_size: int = 8, gpu: str = 'a100-80g',
                 mfu: float = DEFAULT_MFU) -> dict:
     """The plan of ``recipe`` with ``overrides`` (see the module docstring); model folders need no weights."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # after an in-process run (Composer's one-rank group): the fake group needs its own
+        return _plan_in_child(recipe, overrides, world_size, gpu, mfu)
     with weights_optional():
         return _plan(recipe, overrides, world_size, gpu, mfu)
+
+
+def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, '-m', 'dha_train.cli', 'plan', str(recipe), *overrides, '--world-size',
+                           str(world_size), '--gpu', gpu, '--mfu', str(mfu), '--json'], capture_output=True, text=True)
+    try:
+        return json.loads(done.stdout)  # printed before a does-not-fit refusal too
+    except json.JSONDecodeError:
+        raise ConfigError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+                          f'plan: the planning process failed (exit {done.returncode})') from None
 
 
 def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
