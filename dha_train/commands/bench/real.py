@@ -47,8 +47,9 @@ Defaults (``--device auto`` picks cuda when there is one): on CPU 32,768 trainin
 256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
 Search 40 batches, 50 iterations. Measured on the 2-core machine (2026-11-25, sharing the cores with other work for
 part of the run): a 16-batch CT stage 165-210 s, the aligned-GQA pruning stage (with its teacher) 447 s, one row's
-evaluation at ``--limit 50`` 68-155 s; the whole default run about 70 minutes of stage time. ``--limit`` and
-``--tokens`` scale it.
+evaluation at ``--limit 50`` 68-155 s; before the healing rows, the whole default run took about 70 minutes of stage
+time. With them, 60 of its stages took 236 minutes on cores shared with other work (DHA and MLA at kv2 not yet run),
+well over the hour aimed at; ``--no-heal``, ``--limit``, ``--tokens`` and ``--methods`` scale it.
 """
 
 from __future__ import annotations
