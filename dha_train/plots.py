@@ -30,14 +30,18 @@ def _pyplot():
     return plt
 
 
-def _finish(fig, ax, out: str | Path, xlabel: str, ylabel: str, title: str, grid: bool = True) -> Path:
-    """Label one-axis figures alike, then save them."""
+def _finish(fig, ax, out: str | Path, xlabel: str, ylabel: str, title: str, grid: bool = True,
+            legend_outside: bool = False) -> Path:
+    """Label one-axis figures alike, then save them; a long legend goes beside the axes instead of over the data."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if grid:
         ax.grid(alpha=0.3)
-    ax.legend()
+    if legend_outside:
+        ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), fontsize='small')
+    else:
+        ax.legend()
     fig.tight_layout()
     return _save(fig, out)
 
@@ -117,7 +121,10 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
                 references: dict | None = None, log_y: bool = False) -> Path:
     """Named curves {name: [(x, y), ...]} on one axis, plus horizontal reference lines {name: y}."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    many = len(curves) + len(references or {}) > 8  # the default cycle repeats after 10 colours
+    fig, ax = plt.subplots(figsize=(10, 4.8) if many else (7, 4.2), dpi=120)
+    if many:
+        ax.set_prop_cycle(color=plt.get_cmap('tab20')(np.linspace(0, 1, 20))[:max(len(curves), 1)])
     for name, points in curves.items():
         if points:
             xs, ys = zip(*points)
@@ -126,7 +133,7 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
         ax.axhline(value, linestyle='--', linewidth=1, color='0.4', label=name)
     if log_y:
         ax.set_yscale('log')
-    return _finish(fig, ax, out, xlabel, ylabel, title)
+    return _finish(fig, ax, out, xlabel, ylabel, title, legend_outside=many)
 
 
 def plot_head_load(load, out: str | Path, title: str = '') -> Path:
