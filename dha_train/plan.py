@@ -8,8 +8,10 @@ Two training steps of the recipe's micro-batch then run under PyTorch's ``FSDPMe
 rank's peak by category. No GPU, no weights and no data are needed: a model folder holding ``config.json`` is
 enough.
 
-Not measured: the algorithms' loss terms (fusion penalty, L0, transfer MSE: scalars next to the activations) and
-the data loader's pinned buffers. What the tracker does not see is added as a stated reserve (``RESERVE_GIB``: the CUDA context and NCCL buffers) and
+Each fake step runs the algorithms' own FIT_START, AFTER_FORWARD and AFTER_LOSS code (a distillation teacher's
+forward, the transfer MSE, the fusion penalty), with the teacher the plan built. Not measured: the data loader's
+pinned buffers. Known gap: aligned GQA's L0 gates read their frozen state with ``.item()``, which fake tensors cannot
+answer, so its pruning recipe does not plan yet. What the tracker does not see is added as a stated reserve (``RESERVE_GIB``: the CUDA context and NCCL buffers) and
 a fragmentation allowance (``FRAGMENTATION``) before the verdict.
 """
 
@@ -174,6 +176,12 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                                                                                       'weight_decay')})
             tracker = FSDPMemTracker(hf, optimizer)
             teacher = None
+
+            def run_event(event: Event) -> None:  # the algorithms' own code, at the events a training step has
+                for algorithm in algorithms:
+                    if algorithm.match(event, state):
+                        algorithm.apply(event, state, None)
+
             with tracker:
                 if teacher_path is not None:  # a second FSDP root, built inside the tracker so it is counted
                     from transformers import AutoConfig
@@ -182,17 +190,22 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                     teacher.requires_grad_(False).eval()
                     teacher.to_empty(device='cpu')
                     _shard(teacher, mesh, policy, True)
+                    for algorithm in algorithms:  # distillation runs it (AFTER_FORWARD); it would load weights
+                        if getattr(algorithm, 'teacher_path', None):
+                            algorithm.teacher = teacher
+                run_event(Event.FIT_START)
                 vocab = llama_config.vocab_size
                 for step in range(steps):
                     ids = torch.randint(0, vocab, (microbatch, seq_len))
+                    state.batch = {'input_ids': ids, 'labels': ids}
                     autocast = (torch.autocast('cpu', dtype=policy.param_dtype) if precision != 'fp32'
                                 else torch.autocast('cpu', enabled=False))
                     with autocast:
-                        if teacher is not None:
-                            with torch.no_grad():
-                                teacher(input_ids=ids).logits
-                        loss = hf(input_ids=ids, labels=ids).loss
-                    loss.backward()
+                        state.outputs = hf(input_ids=ids, labels=ids)
+                        run_event(Event.AFTER_FORWARD)
+                        state.loss = state.outputs['loss']
+                        run_event(Event.AFTER_LOSS)
+                    state.loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
                     if step == 0:
