@@ -67,9 +67,12 @@ def _independent_peak(world_size: int, microbatch: int) -> int:
             with tracker:
                 for step in range(2):
                     ids = torch.randint(0, config.vocab_size, (microbatch, config.max_position_embeddings))
-                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    # the outputs stay referenced through backward, as Composer's state.outputs keeps them
+                    outputs = model(input_ids=ids, labels=ids, use_cache=False)
+                    outputs.loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
+                    del outputs
                     if step == 0:
                         tracker.reset_mod_stats()
             return next(iter(tracker.get_tracker_snapshot('peak').values()))['Total']
