@@ -287,10 +287,30 @@ def plan_recipe(recipe: str, overrides: Sequence[str] = (), world_size: int = 8,
     """The plan of ``recipe`` with ``overrides`` (see the module docstring); model folders need no weights."""
     import torch.distributed as dist
 
+    _checked(recipe, overrides, world_size, gpu, mfu)  # bad settings are named here, before any process starts
     if dist.is_initialized():  # after an in-process run (Composer's one-rank group): the fake group needs its own
         return _plan_in_child(recipe, overrides, world_size, gpu, mfu)
     with weights_optional():
         return _plan(recipe, overrides, world_size, gpu, mfu)
+
+
+def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> tuple:
+    """(the GPU, the config, the per-rank batch) after the checks of the plan's own settings."""
+    if world_size < 1:
+        raise ConfigError(f'plan: --world-size must be >= 1, got {world_size}')
+    if not 0 < mfu <= 1:
+        raise ConfigError(f'plan: --mfu must be in (0, 1], got {mfu}')
+    card = gpu_spec(gpu)
+    config = load_config(recipe, overrides)
+    if config.global_train_batch_size % world_size:
+        raise ConfigError(f'plan: global_train_batch_size={config.global_train_batch_size} is not divisible by '
+                          f'--world-size {world_size}')
+    per_rank = config.global_train_batch_size // world_size
+    if per_rank % config.device_train_microbatch_size:
+        raise ConfigError(f'plan: device_train_microbatch_size={config.device_train_microbatch_size} does not '
+                          f'divide the per-rank batch of {per_rank} (= {config.global_train_batch_size} / '
+                          f'{world_size})')
+    return card, config, per_rank
 
 
 def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
@@ -308,20 +328,8 @@ def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: 
 
 
 def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
-    if world_size < 1:
-        raise ConfigError(f'plan: --world-size must be >= 1, got {world_size}')
-    if not 0 < mfu <= 1:
-        raise ConfigError(f'plan: --mfu must be in (0, 1], got {mfu}')
-    card = gpu_spec(gpu)
-    config = load_config(recipe, overrides)
-    if config.global_train_batch_size % world_size:
-        raise ConfigError(f'plan: global_train_batch_size={config.global_train_batch_size} is not divisible by '
-                          f'--world-size {world_size}')
-    per_rank = config.global_train_batch_size // world_size
+    card, config, per_rank = _checked(recipe, overrides, world_size, gpu, mfu)
     microbatch = config.device_train_microbatch_size
-    if per_rank % microbatch:
-        raise ConfigError(f'plan: device_train_microbatch_size={microbatch} does not divide the per-rank batch of '
-                          f'{per_rank} (= {config.global_train_batch_size} / {world_size})')
     llama_config = build_llama_config(config.model)
     seq_len = llama_config.max_position_embeddings
     measured = measure(config, world_size, microbatch, seq_len)
