@@ -347,6 +347,18 @@ def _check_values(config: TrainConfig) -> None:
             f'For torch AdamW\'s weight decay {wd} at lr {lr:g}, use {wd * lr:g}')
 
 
+def per_device_batch(config: TrainConfig, world_size: int, ranks: str) -> int:
+    """The per-rank batch of ``config`` over ``world_size`` ranks (``ranks`` names them in the error), after the
+    checks that the global batch and the micro-batch divide evenly."""
+    if config.global_train_batch_size % world_size:
+        raise ConfigError(f'global_train_batch_size={config.global_train_batch_size} is not divisible by {ranks}')
+    per_device = config.global_train_batch_size // world_size
+    if per_device % config.device_train_microbatch_size:
+        raise ConfigError(f'device_train_microbatch_size={config.device_train_microbatch_size} does not divide the '
+                          f'per-device batch of {per_device} (= {config.global_train_batch_size} / {world_size})')
+    return per_device
+
+
 def config_to_dict(config: TrainConfig) -> dict:
     """The checked config as plain data, for logging as hyper-parameters and saving beside a run."""
     return dataclasses.asdict(config)

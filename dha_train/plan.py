@@ -28,7 +28,7 @@ from composer.optim import DecoupledAdamW
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 from dha_train import registry
 from dha_train.builders import build_llama_config, wrap_composer
-from dha_train.config import ConfigError, TrainConfig, load_config
+from dha_train.config import ConfigError, TrainConfig, load_config, per_device_batch
 from dha_train.distributed import causal_lm_on_meta
 from dha_train.model_folders import weights_optional
 from dha_train.models.llama_layout import is_decoder_block
@@ -302,15 +302,7 @@ def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, m
         raise ConfigError(f'plan: --mfu must be in (0, 1], got {mfu}')
     card = gpu_spec(gpu)
     config = load_config(recipe, overrides)
-    if config.global_train_batch_size % world_size:
-        raise ConfigError(f'plan: global_train_batch_size={config.global_train_batch_size} is not divisible by '
-                          f'--world-size {world_size}')
-    per_rank = config.global_train_batch_size // world_size
-    if per_rank % config.device_train_microbatch_size:
-        raise ConfigError(f'plan: device_train_microbatch_size={config.device_train_microbatch_size} does not '
-                          f'divide the per-rank batch of {per_rank} (= {config.global_train_batch_size} / '
-                          f'{world_size})')
-    return card, config, per_rank
+    return card, config, per_device_batch(config, world_size, f'--world-size {world_size}')
 
 
 def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:

@@ -29,7 +29,7 @@ from dha_train.checkpoints import (
     refuse_later_checkpoints,
     save_checkpoints_atomically,
 )
-from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config
+from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config, per_device_batch
 from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.distributed import average_fsdp_gradients
@@ -50,17 +50,6 @@ def resolve_device_and_precision(config: TrainConfig) -> tuple[str, str]:
     if device == 'cpu' and precision != 'fp32':
         raise ConfigError(f'precision: {precision} needs a GPU; use fp32 (or auto) on CPU')
     return device, precision
-
-
-def _device_batch_size(config: TrainConfig, world_size: int) -> int:
-    if config.global_train_batch_size % world_size:
-        raise ConfigError(f'global_train_batch_size={config.global_train_batch_size} is not divisible by the '
-                          f'{world_size} processes of this launch')
-    per_device = config.global_train_batch_size // world_size
-    if per_device % config.device_train_microbatch_size:
-        raise ConfigError(f'device_train_microbatch_size={config.device_train_microbatch_size} does not divide the '
-                          f'per-device batch of {per_device} (= {config.global_train_batch_size} / {world_size})')
-    return per_device
 
 
 def _local_save_folder(config: TrainConfig) -> Path | None:
@@ -147,7 +136,7 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     # temporary group of its own on the same port, and ranks race each other.
     dist.initialize_dist(get_device(device), timeout=config.dist_timeout)
     world_size = dist.get_world_size()
-    device_batch_size = _device_batch_size(config, world_size)
+    device_batch_size = per_device_batch(config, world_size, f'the {world_size} processes of this launch')
     check_checkpoint_to_load(config)
     check_save_folder(config)
     save_checkpoints_atomically()
