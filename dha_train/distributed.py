@@ -47,6 +47,14 @@ def causal_lm_on_meta(config) -> nn.Module:
     return model
 
 
+def shard_blocks(model: nn.Module, mesh, **options) -> None:
+    """FSDP2 as training wraps a model: one unit per decoder block (``is_decoder_block``) plus the root, with the
+    ``fully_shard`` options given (``mp_policy``, ``reshard_after_forward``)."""
+    for block in [module for module in model.modules() if is_decoder_block(module)]:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+
+
 def shard_like(model: nn.Module, reference: nn.Module, weights_from_rank0: bool = False) -> nn.Module:
     """Shard ``model`` (a frozen teacher, say) as the run shards ``reference``: one FSDP2 unit per decoder block
     (the same predicate as training's wrap) plus the root, on the same device mesh. Unsharded runs: unchanged.
@@ -62,9 +70,7 @@ def shard_like(model: nn.Module, reference: nn.Module, weights_from_rank0: bool 
         # Read before sharding, as Composer's own FSDP2 preparation does; on the CPU these are the weights themselves.
         full_state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                                 cpu_offload=True))
-    for block in [module for module in model.modules() if is_decoder_block(module)]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_blocks(model, mesh)
     if weights_from_rank0:
         sync_module_states(model, full_state_dict)
     return model

@@ -11,8 +11,9 @@ enough.
 Each fake step runs the algorithms' own FIT_START, AFTER_FORWARD and AFTER_LOSS code (a distillation teacher's
 forward, the transfer MSE, the fusion penalty), with the teacher the plan built. Not measured: the data loader's
 pinned buffers. Known gap: aligned GQA's L0 gates read their frozen state with ``.item()``, which fake tensors cannot
-answer, so its pruning recipe does not plan yet. What the tracker does not see is added as a stated reserve (``RESERVE_GIB``: the CUDA context and NCCL buffers) and
-a fragmentation allowance (``FRAGMENTATION``) before the verdict.
+answer, so its pruning recipe does not plan yet. What the tracker does not see is added as a stated reserve
+(``RESERVE_GIB``: the CUDA context and NCCL buffers) and a fragmentation allowance (``FRAGMENTATION``) before the
+verdict.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 from dha_train import registry
 from dha_train.builders import build_llama_config, wrap_composer
 from dha_train.config import ConfigError, TrainConfig, load_config, per_device_batch
-from dha_train.distributed import causal_lm_on_meta
+from dha_train.distributed import causal_lm_on_meta, shard_blocks
 from dha_train.model_folders import weights_optional
-from dha_train.models.llama_layout import is_decoder_block
 from dha_train.optim import build_optimizer
 
 GIB = 2 ** 30
@@ -119,23 +119,13 @@ def _planning_process_group(world_size: int):
 
 
 def _mixed_precision(config: TrainConfig):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """(precision, Composer's own FSDP2 policy for it): what the run would get on a GPU."""
+    from composer.core import Precision
+    from composer.distributed.fsdp2 import create_mixed_precision_policy
 
     precision = config.precision if config.precision != 'auto' else 'amp_bf16'  # what `auto` is on a GPU
-    if precision == 'fp32':
-        return precision, MixedPrecisionPolicy()
-    dtype = torch.bfloat16 if precision == 'amp_bf16' else torch.float16
     mixed = config.fsdp.mixed_precision if config.fsdp is not None else 'DEFAULT'
-    # Composer's DEFAULT: parameters in the low precision, gradients reduced in fp32; FULL: reduced in it too
-    return precision, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype if mixed == 'FULL' else torch.float32)
-
-
-def _shard(model, mesh, policy, reshard_after_forward: bool) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in [module for module in model.modules() if is_decoder_block(module)]:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return precision, create_mixed_precision_policy(Precision(precision), mixed)
 
 
 def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int = 2) -> dict:
@@ -159,16 +149,23 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
         algorithms = registry.algorithms.build_all(config.algorithms)
         state = SimpleNamespace(model=model, optimizers=[optimizer], rank_zero_seed=config.seed, fsdp_config=None,
                                 device=None)
-        for algorithm in algorithms:
-            if algorithm.match(Event.INIT, state):
-                algorithm.apply(Event.INIT, state, None)
+
+        def run_event(event: Event) -> None:  # the algorithms' own code, at the events a training step has
+            for algorithm in algorithms:
+                if algorithm.match(event, state):
+                    algorithm.apply(event, state, None)
+
+        run_event(Event.INIT)
+        # the optimizer's groups by parameter name: sharding replaces every parameter
+        names = {id(parameter): name for name, parameter in hf.named_parameters()}
         groups = [{**{k: v for k, v in group.items() if k != 'params'},
-                   'names': [_name_of(model, p) for p in group['params']]} for group in optimizer.param_groups]
+                   'names': [names[id(p)] for p in group['params']]} for group in optimizer.param_groups]
         teacher_path = next((getattr(a, 'teacher_path', None) for a in algorithms
                              if getattr(a, 'teacher_path', None)), None)
         with FakeTensorMode(allow_non_fake_inputs=True):
             hf.to_empty(device='cpu')  # every tensor fake: shapes and dtypes, no memory
-            _shard(hf, mesh, policy, config.fsdp.reshard_after_forward if config.fsdp else True)
+            shard_blocks(hf, mesh, mp_policy=policy,
+                         reshard_after_forward=config.fsdp.reshard_after_forward if config.fsdp else True)
             named = dict(hf.named_parameters())
             optimizer = _PlanningAdamW([{**{k: v for k, v in g.items() if k != 'names'},
                                           'params': [named[n] for n in g['names'] if n in named]} for g in groups],
@@ -176,12 +173,6 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                                                                                       'weight_decay')})
             tracker = FSDPMemTracker(hf, optimizer)
             teacher = None
-
-            def run_event(event: Event) -> None:  # the algorithms' own code, at the events a training step has
-                for algorithm in algorithms:
-                    if algorithm.match(event, state):
-                        algorithm.apply(event, state, None)
-
             with tracker:
                 if teacher_path is not None:  # a second FSDP root, built inside the tracker so it is counted
                     from transformers import AutoConfig
@@ -189,7 +180,7 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                     teacher = causal_lm_on_meta(AutoConfig.from_pretrained(teacher_path, local_files_only=True))
                     teacher.requires_grad_(False).eval()
                     teacher.to_empty(device='cpu')
-                    _shard(teacher, mesh, policy, True)
+                    shard_blocks(teacher, mesh, mp_policy=policy)
                     for algorithm in algorithms:  # distillation runs it (AFTER_FORWARD); it would load weights
                         if getattr(algorithm, 'teacher_path', None):
                             algorithm.teacher = teacher
@@ -211,41 +202,22 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                     if step == 0:
                         tracker.reset_mod_stats()
             peak = next(iter(tracker.get_tracker_snapshot('peak').values()))
-            teacher_bytes = _teacher_bytes(teacher)
+            teacher_bytes = sum(_local_bytes(p) for p in teacher.parameters()) if teacher else 0
             checkpoint_bytes = world_size * (sum(_local_bytes(p) for p in hf.parameters())
                                              + sum(_local_bytes(t) for s in optimizer.state.values()
                                                    for t in s.values() if torch.is_tensor(t)))
         reading = _categories(peak, teacher_bytes)
         return {'reading': reading, 'checkpoint_bytes': checkpoint_bytes,
-                'trainable_parameters': sum(_global_numel(p) for p in named.values() if p.requires_grad),
-                'all_parameters': sum(_global_numel(p) for p in named.values()),
-                'teacher_parameters': sum(_global_numel(p) for p in teacher.parameters()) if teacher else 0,
+                'all_parameters': sum(p.numel() for p in named.values()),  # a DTensor's numel is the full tensor's
+                'teacher_parameters': sum(p.numel() for p in teacher.parameters()) if teacher else 0,
                 'precision': precision}
     finally:
         dist.destroy_process_group()
 
 
-def _name_of(model, parameter) -> str:
-    hf = model.model
-    for name, candidate in hf.named_parameters():
-        if candidate is parameter:
-            return name
-    raise RuntimeError('plan: an optimizer parameter is not in the model')
-
-
 def _local_bytes(tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, 'to_local') else tensor
     return local.numel() * local.element_size()
-
-
-def _global_numel(tensor) -> int:
-    return tensor.numel()  # a DTensor's numel is the full tensor's
-
-
-def _teacher_bytes(teacher) -> int:
-    if teacher is None:
-        return 0
-    return sum(_local_bytes(p) for p in teacher.parameters())
 
 
 def _categories(peak: dict, teacher_bytes: int) -> MemoryReading:

@@ -20,12 +20,12 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from composer.core import Time
 from composer.loggers import InMemoryLogger
 
 from dha_train.config import ConfigError, TrainConfig, load_config
 from dha_train.ops.budget import whole_head_count
 from dha_train.paths import recipe_path
+from dha_train.plan import run_tokens
 from dha_train.train import close_trainer, train
 
 DONE_MARKER = 'DONE.json'
@@ -177,8 +177,8 @@ def mean_eval_curve(history: dict) -> list[tuple[int, float]]:
 
 
 def train_tokens(config: TrainConfig, seq_len: int) -> int:
-    """Tokens a run of ``config`` trains on: its batches times the global batch times ``seq_len``."""
-    return Time.from_timestring(config.max_duration).value * config.global_train_batch_size * seq_len
+    """Tokens a run of ``config`` trains on (its max_duration in batches, samples or tokens)."""
+    return run_tokens(config, seq_len)
 
 
 def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int, eval_every: int,
