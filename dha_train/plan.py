@@ -18,8 +18,13 @@ verdict.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import copy
+import json
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -107,7 +112,9 @@ class _PlanningAdamW(DecoupledAdamW):
                              **options)
 
 
-def _planning_process_group(world_size: int):
+@contextlib.contextmanager
+def _planning_process_group(world_size: int) -> Iterator:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -115,7 +122,10 @@ def _planning_process_group(world_size: int):
     if dist.is_initialized():
         raise ConfigError('plan: a process group is already initialised in this process; run the plan on its own')
     dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
-    return init_device_mesh('cpu', (world_size,))
+    try:
+        yield init_device_mesh('cpu', (world_size,))
+    finally:
+        dist.destroy_process_group()
 
 
 def _mixed_precision(config: TrainConfig):
@@ -128,64 +138,61 @@ def _mixed_precision(config: TrainConfig):
     return precision, create_mixed_precision_policy(Precision(precision), mixed)
 
 
-def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int = 2) -> dict:
-    """The per-rank peak of ``steps`` fake training steps of ``microbatch`` x ``seq_len`` tokens at ``world_size``."""
-    import torch.distributed as dist
+def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int = 2,
+            exact: bool = False) -> dict:
+    """The per-rank peak of ``steps`` fake training steps of ``microbatch`` x ``seq_len`` tokens at ``world_size``.
+
+    A model deeper than ``PROBE_DEPTHS`` allows is measured at the probe depths (its first 3 and 4 layers, with the
+    teacher, the attention-transfer source and the head map cut alike) and extrapolated layer by layer (see
+    ``_extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B on one core)."""
+    depth = build_llama_config(config.model).num_hidden_layers
+    if exact or depth <= PROBE_DEPTHS[-1] + 2:
+        return _measure(config, world_size, microbatch, seq_len, steps)
+    with tempfile.TemporaryDirectory() as scratch:
+        shallow, deep = (_measure(_cut_to(config, layers, Path(scratch) / str(layers)), world_size, microbatch,
+                                  seq_len, steps) for layers in PROBE_DEPTHS)
+    with _planning_process_group(world_size):
+        full = _built(config)
+        teacher_config = full.teacher_config
+        teacher_layers = teacher_config.num_hidden_layers if teacher_config is not None else 0
+        return _extrapolated(shallow, deep, _layer_sizes(full.hf), teacher_layers,
+                             all_parameters=sum(p.numel() for p in full.hf.parameters()),
+                             teacher_parameters=_teacher_parameters(teacher_config))
+
+
+def _measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int) -> dict:
+    """``measure`` at the model's own depth: every layer built and tracked."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    llama_config = build_llama_config(config.model)
-    llama_config.use_cache = False  # training: the recompute of a checkpointed layer must not grow a cache
-    mesh = _planning_process_group(world_size)
-    try:
-        precision, policy = _mixed_precision(config)
-        # Built on the meta device, as a rank that receives rank 0's weights builds it; every algorithm's INIT
-        # surgery runs there (they support it: no weights are read), then the tensors become fake ones.
-        hf = causal_lm_on_meta(llama_config)
-        if config.model.activation_checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
-        model = wrap_composer(hf)
-        optimizer = build_optimizer(model, config.optimizer)
-        algorithms = registry.algorithms.build_all(config.algorithms)
-        state = SimpleNamespace(model=model, optimizers=[optimizer], rank_zero_seed=config.seed, fsdp_config=None,
-                                device=None)
-
-        def run_event(event: Event) -> None:  # the algorithms' own code, at the events a training step has
-            for algorithm in algorithms:
-                if algorithm.match(event, state):
-                    algorithm.apply(event, state, None)
-
-        run_event(Event.INIT)
-        # the optimizer's groups by parameter name: sharding replaces every parameter
-        names = {id(parameter): name for name, parameter in hf.named_parameters()}
-        groups = [{**{k: v for k, v in group.items() if k != 'params'},
-                   'names': [names[id(p)] for p in group['params']]} for group in optimizer.param_groups]
-        teacher_path = next((getattr(a, 'teacher_path', None) for a in algorithms
-                             if getattr(a, 'teacher_path', None)), None)
+    with _planning_process_group(world_size) as mesh:
+        built = _built(config)
+        hf, algorithms, state, precision, policy = (built.hf, built.algorithms, built.state, built.precision,
+                                                    built.policy)
+        layer_sizes = _layer_sizes(hf)
         with FakeTensorMode(allow_non_fake_inputs=True):
             hf.to_empty(device='cpu')  # every tensor fake: shapes and dtypes, no memory
             shard_blocks(hf, mesh, mp_policy=policy,
                          reshard_after_forward=config.fsdp.reshard_after_forward if config.fsdp else True)
             named = dict(hf.named_parameters())
             optimizer = _PlanningAdamW([{**{k: v for k, v in g.items() if k != 'names'},
-                                          'params': [named[n] for n in g['names'] if n in named]} for g in groups],
-                                         **{key: optimizer.defaults[key] for key in ('lr', 'betas', 'eps',
-                                                                                      'weight_decay')})
+                                          'params': [named[n] for n in g['names'] if n in named]}
+                                         for g in built.groups],
+                                         **{key: built.optimizer.defaults[key] for key in ('lr', 'betas', 'eps',
+                                                                                            'weight_decay')})
             tracker = FSDPMemTracker(hf, optimizer)
             teacher = None
             with tracker:
-                if teacher_path is not None:  # a second FSDP root, built inside the tracker so it is counted
-                    from transformers import AutoConfig
-
-                    teacher = causal_lm_on_meta(AutoConfig.from_pretrained(teacher_path, local_files_only=True))
+                if built.teacher_config is not None:  # a second FSDP root, built inside the tracker: counted
+                    teacher = causal_lm_on_meta(built.teacher_config)
                     teacher.requires_grad_(False).eval()
                     teacher.to_empty(device='cpu')
                     shard_blocks(teacher, mesh, mp_policy=policy)
                     for algorithm in algorithms:  # distillation runs it (AFTER_FORWARD); it would load weights
                         if getattr(algorithm, 'teacher_path', None):
                             algorithm.teacher = teacher
-                run_event(Event.FIT_START)
-                vocab = llama_config.vocab_size
+                built.run_event(Event.FIT_START)
+                vocab = hf.config.vocab_size
                 for step in range(steps):
                     ids = torch.randint(0, vocab, (microbatch, seq_len))
                     state.batch = {'input_ids': ids, 'labels': ids}
@@ -193,9 +200,9 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
                                 else torch.autocast('cpu', enabled=False))
                     with autocast:
                         state.outputs = hf(input_ids=ids, labels=ids)
-                        run_event(Event.AFTER_FORWARD)
+                        built.run_event(Event.AFTER_FORWARD)
                         state.loss = state.outputs['loss']
-                        run_event(Event.AFTER_LOSS)
+                        built.run_event(Event.AFTER_LOSS)
                     state.loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
@@ -206,13 +213,158 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
             checkpoint_bytes = world_size * (sum(_local_bytes(p) for p in hf.parameters())
                                              + sum(_local_bytes(t) for s in optimizer.state.values()
                                                    for t in s.values() if torch.is_tensor(t)))
-        reading = _categories(peak, teacher_bytes)
-        return {'reading': reading, 'checkpoint_bytes': checkpoint_bytes,
+        return {'reading': _categories(peak, teacher_bytes), 'checkpoint_bytes': checkpoint_bytes,
                 'all_parameters': sum(p.numel() for p in named.values()),  # a DTensor's numel is the full tensor's
-                'teacher_parameters': sum(p.numel() for p in teacher.parameters()) if teacher else 0,
-                'precision': precision}
-    finally:
-        dist.destroy_process_group()
+                'teacher_parameters': _teacher_parameters(built.teacher_config), 'precision': precision,
+                'layer_sizes': layer_sizes, 'depth': len(layer_sizes), 'extrapolated_from': None}
+
+
+@dataclass
+class _Built:
+    """A run as ``dha-train train`` builds it, on the meta device, after every algorithm's INIT surgery."""
+    hf: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    groups: list  # the optimizer's parameter groups by parameter name (sharding replaces every parameter)
+    algorithms: list
+    state: SimpleNamespace
+    precision: str
+    policy: object
+    teacher_config: object
+
+    def run_event(self, event: Event) -> None:  # the algorithms' own code, at the events a training step has
+        for algorithm in self.algorithms:
+            if algorithm.match(event, self.state):
+                algorithm.apply(event, self.state, None)
+
+
+def _built(config: TrainConfig) -> _Built:
+    llama_config = build_llama_config(config.model)
+    llama_config.use_cache = False  # training: the recompute of a checkpointed layer must not grow a cache
+    precision, policy = _mixed_precision(config)
+    # Built on the meta device, as a rank that receives rank 0's weights builds it; every algorithm's INIT surgery
+    # runs there (they support it: no weights are read), then the tensors become fake ones.
+    hf = causal_lm_on_meta(llama_config)
+    if config.model.activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    model = wrap_composer(hf)
+    optimizer = build_optimizer(model, config.optimizer)
+    algorithms = registry.algorithms.build_all(config.algorithms)
+    # the parts of Composer's State the algorithms read; the fake steps are the run's first ones
+    state = SimpleNamespace(model=model, optimizers=[optimizer], rank_zero_seed=config.seed, fsdp_config=None,
+                            device=None, get_elapsed_duration=lambda: None)
+    built = _Built(hf, optimizer, [], algorithms, state, precision, policy, None)
+    built.run_event(Event.INIT)
+    names = {id(parameter): name for name, parameter in hf.named_parameters()}
+    built.groups = [{**{k: v for k, v in group.items() if k != 'params'},
+                     'names': [names[id(p)] for p in group['params']]} for group in optimizer.param_groups]
+    teacher_path = next((getattr(a, 'teacher_path', None) for a in algorithms if getattr(a, 'teacher_path', None)),
+                        None)
+    if teacher_path is not None:
+        from transformers import AutoConfig
+
+        built.teacher_config = AutoConfig.from_pretrained(teacher_path, local_files_only=True)
+    return built
+
+
+def _layer_sizes(hf: torch.nn.Module) -> list[tuple[int, int]]:
+    """(parameters, trainable parameters) of each decoder layer, after the INIT surgery."""
+    return [(sum(p.numel() for p in layer.parameters()),
+             sum(p.numel() for p in layer.parameters() if p.requires_grad)) for layer in hf.model.layers]
+
+
+def _teacher_parameters(teacher_config) -> int:
+    if teacher_config is None:
+        return 0
+    return sum(p.numel() for p in causal_lm_on_meta(teacher_config).parameters())
+
+
+# The tracked peak grows by the same amount for every layer from the third on (LLaMA-2-7B at world size 8: +0.377
+# GiB a layer; tests/commands/test_plan.py holds an 8-layer extrapolation to the 8-layer measurement), so a deep
+# model is measured at its first 3 and 4 layers and extrapolated.
+PROBE_DEPTHS = (3, 4)
+
+
+def _extrapolated(shallow: dict, deep: dict, layer_sizes: list[tuple[int, int]], teacher_layers: int,
+                  all_parameters: int, teacher_parameters: int) -> dict:
+    """The whole model's reading from the probes': what a layer adds to the parameters (and to the gradients, the
+    optimizer state and the checkpoint) is proportional to its own (trainable) parameters, taken from the whole
+    model after INIT, so layers that differ (a searched DHA head map, per-layer MLA ranks) count as they are; the
+    activations (each checkpointed layer's input) grow by the probes' difference per layer; the FSDP buffers (one
+    layer unsharded) follow the largest layer; a teacher's shards grow by the probes' difference per layer."""
+    probe = deep['depth']
+    a, b = shallow['reading'], deep['reading']
+    last_parameters, last_trainable = layer_sizes[probe - 1]
+    rest_parameters = sum(size for size, _ in layer_sizes[probe:])
+    rest_trainable = sum(trainable for _, trainable in layer_sizes[probe:])
+    extra_layers = len(layer_sizes) - probe
+
+    def per_weight(delta: int, weight: int, rest: int) -> int:
+        return round(delta / weight * rest) if weight else 0
+
+    largest = max(size for size, _ in layer_sizes)
+    largest_probed = max(size for size, _ in layer_sizes[:probe])
+    reading = MemoryReading(
+        parameters=b.parameters + per_weight(b.parameters - a.parameters, last_parameters, rest_parameters),
+        gradients=b.gradients + per_weight(b.gradients - a.gradients, last_trainable, rest_trainable),
+        optimizer=b.optimizer + per_weight(b.optimizer - a.optimizer, last_trainable, rest_trainable),
+        activations=b.activations + extra_layers * (b.activations - a.activations),
+        fsdp_buffers=max(b.fsdp_buffers, round(b.fsdp_buffers * largest / largest_probed)),
+        teacher=b.teacher + (teacher_layers - probe) * (b.teacher - a.teacher) if b.teacher else 0,
+        other=b.other)
+    checkpoint_weight = 4 * last_parameters + 8 * last_trainable  # fp32 weights; Adam's two fp32 moments
+    checkpoint = deep['checkpoint_bytes'] + per_weight(deep['checkpoint_bytes'] - shallow['checkpoint_bytes'],
+                                                       checkpoint_weight, 4 * rest_parameters + 8 * rest_trainable)
+    return {**deep, 'reading': reading, 'checkpoint_bytes': checkpoint, 'all_parameters': all_parameters,
+            'teacher_parameters': teacher_parameters, 'layer_sizes': layer_sizes, 'depth': len(layer_sizes),
+            'extrapolated_from': list(PROBE_DEPTHS)}
+
+
+_PER_LAYER_CONFIG_KEYS = ('mla_ranks', 'mla_rope_pairs', 'moh_shared_heads', 'moh_top_k', 'layer_types')
+
+
+def _cut_config(values: dict, layers: int) -> dict:
+    """An HF config's dict with its first ``layers`` decoder layers (and the per-layer settings cut alike)."""
+    values = dict(values, num_hidden_layers=layers)
+    for key in _PER_LAYER_CONFIG_KEYS:
+        if isinstance(values.get(key), list):
+            values[key] = values[key][:layers]
+    if isinstance(values.get('head_map'), dict):
+        values['head_map'] = {**values['head_map'], 'layers': values['head_map']['layers'][:layers]}
+    return values
+
+
+def _cut_folder(folder: Path, layers: int, out: Path) -> str:
+    """``folder`` with its config cut to ``layers`` layers; its other files (tokenizer, weights) linked."""
+    out.mkdir(parents=True)
+    for item in folder.iterdir():
+        if item.name != 'config.json':
+            (out / item.name).symlink_to(item.resolve())
+    (out / 'config.json').write_text(json.dumps(_cut_config(json.loads((folder / 'config.json').read_text()),
+                                                            layers)))
+    return str(out)
+
+
+def _cut_to(config: TrainConfig, layers: int, scratch: Path) -> TrainConfig:
+    """The run with the first ``layers`` layers of its model and of every model folder or head map its algorithms
+    name (a teacher, an attention-transfer source, a Fusion head map), in folders under ``scratch``."""
+    cut = copy.deepcopy(config)
+    if cut.model.pretrained_path is not None:
+        cut.model.pretrained_path = _cut_folder(Path(cut.model.pretrained_path), layers, scratch / 'model')
+    cut.model.config = _cut_config(cut.model.config, layers) if 'num_hidden_layers' in cut.model.config \
+        else cut.model.config
+    for name, settings in cut.algorithms.items():
+        for key, value in (settings or {}).items():
+            if not isinstance(value, str):
+                continue
+            path = Path(value)
+            if (path / 'config.json').is_file():
+                settings[key] = _cut_folder(path, layers, scratch / f'{name}.{key}')
+            elif path.suffix == '.json' and path.is_file():
+                head_map = json.loads(path.read_text())
+                if isinstance(head_map, dict) and isinstance(head_map.get('layers'), list):
+                    settings[key] = str(scratch / f'{name}.{key}.json')
+                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': head_map['layers'][:layers]}))
+    return cut
 
 
 def _local_bytes(tensor) -> int:
@@ -255,35 +407,46 @@ def run_tokens(config: TrainConfig, seq_len: int) -> int:
 
 
 def plan_recipe(recipe: str, overrides: Sequence[str] = (), world_size: int = 8, gpu: str = 'a100-80g',
-                mfu: float = DEFAULT_MFU) -> dict:
-    """The plan of ``recipe`` with ``overrides`` (see the module docstring); model folders need no weights."""
+                mfu: float = DEFAULT_MFU, exact: bool = False, search_largest: bool = True,
+                seq_len: int | None = None) -> dict:
+    """The plan of ``recipe`` with ``overrides`` (see the module docstring); model folders need no weights.
+    ``seq_len``: the training sequence (the data prep's ``--seq-len``); the model's context length by default."""
     import torch.distributed as dist
 
-    _checked(recipe, overrides, world_size, gpu, mfu)  # bad settings are named here, before any process starts
+    _checked(recipe, overrides, world_size, gpu, mfu, seq_len)  # bad settings are named here, before any process
     if dist.is_initialized():  # after an in-process run (Composer's one-rank group): the fake group needs its own
-        return _plan_in_child(recipe, overrides, world_size, gpu, mfu)
+        return _plan_in_child(recipe, overrides, world_size, gpu, mfu, exact, seq_len)
     with weights_optional():
-        return _plan(recipe, overrides, world_size, gpu, mfu)
+        return _plan(recipe, overrides, world_size, gpu, mfu, exact, search_largest, seq_len)
 
 
-def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> tuple:
-    """(the GPU, the config, the per-rank batch) after the checks of the plan's own settings."""
+def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float,
+             seq_len: int | None) -> tuple:
+    """(the GPU, the config, the per-rank batch, the sequence) after the checks of the plan's own settings."""
     if world_size < 1:
         raise ConfigError(f'plan: --world-size must be >= 1, got {world_size}')
     if not 0 < mfu <= 1:
         raise ConfigError(f'plan: --mfu must be in (0, 1], got {mfu}')
     card = gpu_spec(gpu)
     config = load_config(recipe, overrides)
-    return card, config, per_device_batch(config, world_size, f'--world-size {world_size}')
+    per_rank = per_device_batch(config, world_size, f'--world-size {world_size}')
+    with weights_optional():
+        context = build_llama_config(config.model).max_position_embeddings
+    if seq_len is not None and not 1 <= seq_len <= context:
+        raise ConfigError(f'plan: --seq-len must be in 1..{context} (the model\'s max_position_embeddings), '
+                          f'got {seq_len}')
+    return card, config, per_rank, seq_len or context
 
 
-def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
-    import json
+def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float,
+                   exact: bool, seq_len: int | None) -> dict:
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, '-m', 'dha_train.cli', 'plan', str(recipe), *overrides, '--world-size',
-                           str(world_size), '--gpu', gpu, '--mfu', str(mfu), '--json'], capture_output=True, text=True)
+                           str(world_size), '--gpu', gpu, '--mfu', str(mfu), '--json', *(['--exact'] if exact else []),
+                           *(['--seq-len', str(seq_len)] if seq_len else [])],
+                          capture_output=True, text=True)
     try:
         return json.loads(done.stdout)  # printed before a does-not-fit refusal too
     except json.JSONDecodeError:
@@ -291,19 +454,20 @@ def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: 
                           f'plan: the planning process failed (exit {done.returncode})') from None
 
 
-def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float) -> dict:
-    card, config, per_rank = _checked(recipe, overrides, world_size, gpu, mfu)
+def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float, exact: bool,
+          search_largest: bool, seq_len: int | None) -> dict:
+    card, config, per_rank, seq_len = _checked(recipe, overrides, world_size, gpu, mfu, seq_len)
     microbatch = config.device_train_microbatch_size
     llama_config = build_llama_config(config.model)
-    seq_len = llama_config.max_position_embeddings
-    measured = measure(config, world_size, microbatch, seq_len)
+    measured = measure(config, world_size, microbatch, seq_len, exact=exact)
     reading = measured['reading']
     usable = (card.memory_gib - RESERVE_GIB) * GIB
     needed = reading.total * (1 + FRAGMENTATION)
     flops = flops_per_token(llama_config, measured['all_parameters'], measured['teacher_parameters'], seq_len)
     tokens_per_s = mfu * card.bf16_flops * world_size / flops
     tokens = run_tokens(config, seq_len)
-    largest = largest_fitting_microbatch(config, world_size, seq_len, usable, per_rank, {microbatch: reading.total})
+    largest = (largest_fitting_microbatch(config, world_size, seq_len, usable, per_rank, {microbatch: reading.total},
+                                          exact) if search_largest else None)
     return {'recipe': str(recipe), 'world_size': world_size, 'gpu': card.name, 'gpu_memory_gib': card.memory_gib,
             'microbatch': microbatch, 'seq_len': seq_len, 'precision': measured['precision'],
             'activation_checkpointing': config.model.activation_checkpointing,
@@ -312,16 +476,17 @@ def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu:
             'by_category_gib': {k: v / GIB for k, v in vars(reading).items()},
             'flops_per_token': flops, 'mfu': mfu, 'tokens_per_s': tokens_per_s, 'run_tokens': tokens,
             'wall_hours': tokens / tokens_per_s / 3600, 'checkpoint_gib': measured['checkpoint_bytes'] / GIB,
-            'parameters': measured['all_parameters'], 'teacher_parameters': measured['teacher_parameters']}
+            'parameters': measured['all_parameters'], 'teacher_parameters': measured['teacher_parameters'],
+            'layers': measured['depth'], 'extrapolated_from': measured['extrapolated_from']}
 
 
 def largest_fitting_microbatch(config: TrainConfig, world_size: int, seq_len: int, usable_bytes: float,
-                               per_rank: int, known: dict[int, int]) -> int | None:
+                               per_rank: int, known: dict[int, int], exact: bool = False) -> int | None:
     """The largest divisor of the per-rank batch whose peak (with the fragmentation allowance) fits: from the
     recipe's micro-batch up while it fits, or down until one does. ``known``: peaks measured already."""
     def fits(microbatch: int) -> bool:
         if microbatch not in known:
-            known[microbatch] = measure(config, world_size, microbatch, seq_len)['reading'].total
+            known[microbatch] = measure(config, world_size, microbatch, seq_len, exact=exact)['reading'].total
         return known[microbatch] * (1 + FRAGMENTATION) <= usable_bytes
 
     divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]

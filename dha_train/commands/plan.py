@@ -20,12 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         '(default a100-80g)')
     parser.add_argument('--mfu', type=float, default=DEFAULT_MFU,
                         help=f'model FLOPs utilisation assumed for the time (default {DEFAULT_MFU})')
+    parser.add_argument('--seq-len', dest='seq_len', type=int, default=None,
+                        help="training sequence length, the data prep's --seq-len (default: the model's "
+                        'max_position_embeddings)')
+    parser.add_argument('--exact', action='store_true', help='track every layer instead of extrapolating a deep '
+                        'model from its first 3 and 4 layers (about 0.8 s a 7B layer per micro-batch tried)')
     parser.add_argument('--json', action='store_true', help='print the plan as JSON')
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_recipe(args.recipe, args.overrides, world_size=args.world_size, gpu=args.gpu, mfu=args.mfu)
+    plan = plan_recipe(args.recipe, args.overrides, world_size=args.world_size, gpu=args.gpu, mfu=args.mfu,
+                       exact=args.exact, seq_len=args.seq_len)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -44,7 +50,9 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"{plan['recipe']}: {plan['world_size']} x {plan['gpu']}, micro-batch {plan['microbatch']} x "
         f"{plan['seq_len']}, {plan['precision']}, activation checkpointing "
-        f"{'on' if plan['activation_checkpointing'] else 'off'}",
+        f"{'on' if plan['activation_checkpointing'] else 'off'}, {plan['layers']} layers "
+        + (f"(extrapolated from the first {' and '.join(map(str, plan['extrapolated_from']))})"
+           if plan['extrapolated_from'] else '(every layer tracked)'),
         f"  peak per rank {plan['peak_gib']:.2f} GiB: parameters {gib['parameters']:.2f}, gradients "
         f"{gib['gradients']:.2f}, optimizer {gib['optimizer']:.2f}, activations {gib['activations']:.2f}, FSDP "
         f"buffers {gib['fsdp_buffers']:.2f}, teacher {gib['teacher']:.2f}, other {gib['other']:.2f}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from dha_train.ops.hard_concrete import (
     deterministic_gates,
@@ -52,6 +53,8 @@ class TransferProjection(nn.Module):
 
     @property
     def frozen(self) -> bool:
+        if is_fake(self.frozen_gates):  # `dha-train plan` on fake tensors, which hold no values: a run starts open
+            return False
         return bool((self.frozen_gates >= 0).all())
 
     def gates(self) -> torch.Tensor:

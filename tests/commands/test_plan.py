@@ -118,7 +118,8 @@ def test_a_recipe_that_cannot_fit_is_refused_in_one_line(config_only, tmp_path, 
 def test_bad_plan_settings_are_one_line_errors(config_only, tmp_path, capsys):
     for extra, message in ((['--world-size', '3'], 'not divisible by --world-size 3'),
                            (['--gpu', 'v100'], '--gpu must be one of'),
-                           (['--mfu', '1.5'], '--mfu must be in')):
+                           (['--mfu', '1.5'], '--mfu must be in'),
+                           (['--seq-len', '8192'], '--seq-len must be in 1..4096')):
         assert main(['plan', str(RECIPE), *_overrides(config_only, tmp_path), *extra]) == 2
         assert message in capsys.readouterr().err
 
