@@ -114,15 +114,15 @@ def latest_checkpoint_batch(save_folder: Path) -> int | None:
 
 def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides: str, log: Path,
                                      port: int | None = None, at_least: int, nproc: int = 2,
-                                     entry: tuple[str, ...] = TRAIN_ENTRY) -> int:
+                                     entry: tuple[str, ...] = TRAIN_ENTRY, deadline_s: float = 240) -> int:
     """Launch `composer -n nproc`, SIGKILL the whole process group as soon as a checkpoint at batch >= ``at_least``
-    exists, and return the batch the run would resume from."""
+    exists (within ``deadline_s``), and return the batch the run would resume from."""
     env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1'}
     with log.open('w') as handle:
         proc = subprocess.Popen(composer_command(nproc, recipe, f'save_folder={save_folder}', *overrides, port=port,
                                                  entry=entry),
                                 stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + deadline_s
         while (latest_checkpoint_batch(save_folder) or 0) < at_least:
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, 'no checkpoint appeared in time'

@@ -1,0 +1,88 @@
+"""An 8-rank rehearsal on CPU: a tiny Fusion recipe under real `composer -n 8` FSDP2 launches (gloo), as the shipped
+recipes run on 8 GPUs. Killed with SIGKILL after a checkpoint, it resumes with 8 ranks exactly (Lagrange multiplier,
+fusion history, every weight including the omegas, and the samples of every global batch equal an uninterrupted
+8-rank run) and with 4 ranks elastically (the same global batch of 16 as 2 micro-batches of 2 per rank: the same
+samples in every global batch, the multiplier and weights equal to fp tolerance)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from helpers import RECORDING_ENTRY, fusion_recipe, launch_and_kill_after_checkpoint, run_composer, write_recipe
+from test_distributed import _global_batches
+from test_fusion_distributed import _fusion_state
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+RANKS = 8
+MAX_BATCHES = 12
+SAVE_EVERY = 4
+GLOBAL_BATCH = 16  # 2 a rank at 8 ranks, 4 a rank (2 micro-batches of 2) at 4
+
+
+def _launch(nproc: int, recipe, save_folder, samples, log):
+    return run_composer(nproc, recipe, f'save_folder={save_folder}', f'callbacks.record_samples_for_tests.out={samples}',
+                        log=log, entry=RECORDING_ENTRY, timeout=600)
+
+
+@pytest.fixture(scope='module')
+def rehearsal(tmp_path_factory, data_root, tokenizer_dir):
+    """(recipe, the uninterrupted run's folder, a killed run's folder and the batch it resumes from)."""
+    tmp = tmp_path_factory.mktemp('eight_ranks')
+    recipe = fusion_recipe(tmp, data_root, tokenizer_dir, max_duration=f'{MAX_BATCHES}ba',
+                           global_train_batch_size=GLOBAL_BATCH, device_train_microbatch_size=2,
+                           save_interval=f'{SAVE_EVERY}ba', autoresume=True, run_name='rehearsal',
+                           fsdp={'enabled': True, 'state_dict_type': 'sharded'},
+                           optimizer={'lr': 1.0e-3, 'eps': 1.0e-5},  # see test_distributed: fp-stable elastic runs
+                           callbacks={'record_samples_for_tests': {'out': 'set-per-launch'}})
+    recipe['train_loader']['num_workers'] = 0  # 8 ranks on 2 cores: no loader processes besides
+    recipe = write_recipe(tmp / 'fusion.yaml', recipe)
+    reference = tmp / 'reference'
+    reference.mkdir()
+    done = _launch(RANKS, recipe, reference / 'ckpt', reference / 'samples', reference / 'log.txt')
+    assert done.returncode == 0, (reference / 'log.txt').read_text()[-4000:]
+    killed = tmp / 'killed'
+    killed.mkdir()
+    resumed_from = launch_and_kill_after_checkpoint(
+        recipe, killed / 'ckpt', f'callbacks.record_samples_for_tests.out={killed / "samples"}',
+        log=killed / 'log.txt', at_least=SAVE_EVERY, nproc=RANKS, entry=RECORDING_ENTRY, deadline_s=540)
+    assert resumed_from is not None and SAVE_EVERY <= resumed_from < MAX_BATCHES, resumed_from
+    return recipe, reference, killed, resumed_from
+
+
+def _resume(rehearsal, tmp_path, nproc: int):
+    recipe, reference, killed, resumed_from = rehearsal
+    shutil.copytree(killed, tmp_path / 'run', symlinks=True)  # Composer's latest-rank*.pt links
+    run = tmp_path / 'run'
+    done = _launch(nproc, recipe, run / 'ckpt', run / 'samples-resumed', run / 'resumed.txt')
+    text = (run / 'resumed.txt').read_text()
+    assert done.returncode == 0, text[-4000:]
+    assert f'starts at batch {resumed_from} of {MAX_BATCHES}ba' in text
+    samples = {**_global_batches(run / 'samples', end=resumed_from),
+               **_global_batches(run / 'samples-resumed', first=resumed_from)}
+    assert samples == _global_batches(reference / 'samples')  # every global batch: the same samples, none twice
+    assert all(len(batch) == GLOBAL_BATCH for batch in samples.values()) and len(samples) == MAX_BATCHES
+    return _fusion_state(run / 'ckpt'), _fusion_state(reference / 'ckpt')
+
+
+def test_eight_ranks_killed_and_resumed_with_eight_continue_exactly(rehearsal, tmp_path):
+    (ours, our_weights, our_batch), (reference, reference_weights, reference_batch) = _resume(rehearsal, tmp_path, 8)
+    assert our_batch == reference_batch == MAX_BATCHES
+    assert ours['lam'] == reference['lam'] and ours['lam'] > 0
+    assert ours['history'] == reference['history'] and len(ours['history']) == MAX_BATCHES
+    assert sum(name.endswith('.omega') for name in reference_weights) == 4
+    for name, tensor in reference_weights.items():
+        assert torch.equal(our_weights[name], tensor), f'{name} differs after an 8-rank resume'
+
+
+def test_eight_ranks_killed_and_resumed_with_four_continue_elastically(rehearsal, tmp_path):
+    (ours, our_weights, our_batch), (reference, reference_weights, reference_batch) = _resume(rehearsal, tmp_path, 4)
+    assert our_batch == reference_batch == MAX_BATCHES and ours['step'] == MAX_BATCHES
+    assert ours['lam'] == pytest.approx(reference['lam'], rel=1e-3) and ours['lam'] > 0
+    for mine, theirs in zip(ours['history'], reference['history'], strict=True):
+        assert mine['fusion_loss'] == pytest.approx(theirs['fusion_loss'], rel=1e-3, abs=1e-6)
+    for name, tensor in reference_weights.items():
+        assert torch.allclose(our_weights[name], tensor, rtol=1e-3, atol=1e-5), f'{name} after a 4-rank resume'
