@@ -132,6 +132,17 @@ def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides
     return latest_checkpoint_batch(save_folder)
 
 
+def global_batches(samples: Path, first: int = 0, end: int = 10 ** 9) -> dict[int, list[str]]:
+    """Batch index -> the sorted sample hashes of that global batch, over every rank, for batches in [first, end)."""
+    batches: dict[int, list[str]] = {}
+    for rank_file in sorted(samples.glob('rank*.jsonl')):
+        for line in rank_file.read_text().splitlines():
+            record = json.loads(line)
+            if first <= record['batch'] < end:
+                batches.setdefault(record['batch'], []).extend(record['samples'])
+    return {batch: sorted(hashes) for batch, hashes in sorted(batches.items())}
+
+
 def save_tiny_llama(folder: Path, tokenizer_dir: Path, seed: int = 0, **config) -> LlamaConfig:
     """A random LLaMA of the test vocabulary (hidden 64, 2 layers, 8 heads unless ``config`` says otherwise) saved
     with the session's tokenizer as an HF folder; returns its config."""

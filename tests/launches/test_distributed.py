@@ -16,7 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import RECORDING_ENTRY, launch_and_kill_after_checkpoint, run_composer, tiny_recipe, write_recipe
+from helpers import (
+    RECORDING_ENTRY,
+    global_batches,
+    launch_and_kill_after_checkpoint,
+    run_composer,
+    tiny_recipe,
+    write_recipe,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -59,17 +66,6 @@ def _kill_after_checkpoint(nproc: int, recipe: Path, save_folder: Path, samples:
                                                     log=log, at_least=KILL_AT, nproc=nproc, entry=RECORDING_ENTRY)
     assert resumed_from is not None and EPOCH_BATCHES <= resumed_from < MAX_BATCHES, resumed_from
     return resumed_from
-
-
-def _global_batches(samples: Path, first: int = 0, end: int = MAX_BATCHES) -> dict[int, list[str]]:
-    """Batch index -> the sorted sample hashes of that global batch, over every rank, for batches in [first, end)."""
-    batches: dict[int, list[str]] = {}
-    for rank_file in sorted(samples.glob('rank*.jsonl')):
-        for line in rank_file.read_text().splitlines():
-            record = json.loads(line)
-            if first <= record['batch'] < end:
-                batches.setdefault(record['batch'], []).extend(record['samples'])
-    return {batch: sorted(hashes) for batch, hashes in sorted(batches.items())}
 
 
 def _train_losses(log: Path) -> dict[int, float]:
@@ -178,10 +174,10 @@ def test_sigkill_then_autoresume_matches_uninterrupted_bit_exactly(uninterrupted
     for name, tensor in reference_weights.items():
         assert torch.equal(ours_weights[name], tensor), f'{name} differs after resume'
     # Resumed mid-way through the second epoch, the run trains on exactly the batches of the uninterrupted run.
-    reference_batches = _global_batches(reference_tmp / 'samples')
+    reference_batches = global_batches(reference_tmp / 'samples')
     assert len(reference_batches) == MAX_BATCHES
-    assert {**_global_batches(tmp_path / 'samples-killed', end=resumed_from),
-            **_global_batches(tmp_path / 'samples-resumed', first=resumed_from)} == reference_batches
+    assert {**global_batches(tmp_path / 'samples-killed', end=resumed_from),
+            **global_batches(tmp_path / 'samples-resumed', first=resumed_from)} == reference_batches
 
     # A finished run launched again is reported done instead of crashing.
     again = _launch(2, recipe, save_folder, tmp_path / 'samples-again', tmp_path / 'again.txt')
@@ -204,9 +200,9 @@ def test_elastic_resume_keeps_the_global_batches_and_the_loss_curve(uninterrupte
     assert done.returncode == 0, log.read_text()[-4000:]
     assert f'starts at batch {resumed_from} of {MAX_BATCHES}ba' in log.read_text()
 
-    reference = _global_batches(reference_tmp / 'samples')
-    ours = {**_global_batches(tmp_path / 'samples-killed', end=resumed_from),
-            **_global_batches(tmp_path / 'samples-resumed', first=resumed_from)}
+    reference = global_batches(reference_tmp / 'samples')
+    ours = {**global_batches(tmp_path / 'samples-killed', end=resumed_from),
+            **global_batches(tmp_path / 'samples-resumed', first=resumed_from)}
     assert ours == reference
     domain_of = _domain_of_samples(data_root)
     seen = Counter(domain_of[h] for batch in ours.values() for h in batch)

@@ -10,10 +10,15 @@ import shutil
 
 import pytest
 import torch
-from test_distributed import _global_batches
-from test_fusion_distributed import _fusion_state
 
-from helpers import RECORDING_ENTRY, fusion_recipe, launch_and_kill_after_checkpoint, run_composer, write_recipe
+from helpers import (
+    RECORDING_ENTRY,
+    fusion_recipe,
+    global_batches,
+    launch_and_kill_after_checkpoint,
+    run_composer,
+    write_recipe,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -21,6 +26,15 @@ RANKS = 8
 MAX_BATCHES = 12
 SAVE_EVERY = 4
 GLOBAL_BATCH = 16  # 2 a rank at 8 ranks, 4 a rank (2 micro-batches of 2) at 4
+
+
+def _fusion_state(save_folder):
+    from dha_train.export import load_composer_state, model_weights
+
+    state = load_composer_state(save_folder)
+    algorithms = state['state']['algorithms']
+    fusion = next(s for _, s in algorithms if isinstance(s, dict) and 'lam' in s)
+    return fusion, model_weights(state), int(state['state']['timestamp']['Timestamp']['batch'])
 
 
 def _launch(nproc: int, recipe, save_folder, samples, log):
@@ -37,13 +51,15 @@ def rehearsal(tmp_path_factory, data_root, tokenizer_dir):
                            save_interval=f'{SAVE_EVERY}ba', autoresume=True, run_name='rehearsal',
                            fsdp={'enabled': True, 'state_dict_type': 'sharded'},
                            optimizer={'lr': 1.0e-3, 'eps': 1.0e-5},  # see test_distributed: fp-stable elastic runs
-                           callbacks={'record_samples_for_tests': {'out': 'set-per-launch'}})
+                           callbacks={'record_samples_for_tests': {'out': 'set-per-launch'}, 'fusion_monitor': {}})
     recipe['train_loader']['num_workers'] = 0  # 8 ranks on 2 cores: no loader processes besides
     recipe = write_recipe(tmp / 'fusion.yaml', recipe)
     reference = tmp / 'reference'
     reference.mkdir()
     done = _launch(RANKS, recipe, reference / 'ckpt', reference / 'samples', reference / 'log.txt')
     assert done.returncode == 0, (reference / 'log.txt').read_text()[-4000:]
+    log = (reference / 'log.txt').read_text()
+    assert 'fusion/layer1/value_self_weight' in log and 'fusion/lambda' in log  # the monitor logs on 8 ranks
     killed = tmp / 'killed'
     killed.mkdir()
     resumed_from = launch_and_kill_after_checkpoint(
@@ -61,9 +77,9 @@ def _resume(rehearsal, tmp_path, nproc: int):
     text = (run / 'resumed.txt').read_text()
     assert done.returncode == 0, text[-4000:]
     assert f'starts at batch {resumed_from} of {MAX_BATCHES}ba' in text
-    samples = {**_global_batches(run / 'samples', end=resumed_from),
-               **_global_batches(run / 'samples-resumed', first=resumed_from)}
-    assert samples == _global_batches(reference / 'samples')  # every global batch: the same samples, none twice
+    samples = {**global_batches(run / 'samples', end=resumed_from),
+               **global_batches(run / 'samples-resumed', first=resumed_from)}
+    assert samples == global_batches(reference / 'samples')  # every global batch: the same samples, none twice
     assert all(len(batch) == GLOBAL_BATCH for batch in samples.values()) and len(samples) == MAX_BATCHES
     return _fusion_state(run / 'ckpt'), _fusion_state(reference / 'ckpt')
 
