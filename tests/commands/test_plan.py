@@ -104,14 +104,17 @@ def test_the_plan_equals_an_independent_tracker_run_and_its_closed_forms(config_
     assert categories['teacher'] == 0
 
 
-def test_a_recipe_that_cannot_fit_is_refused_in_one_line(config_only, tmp_path, capsys):
-    code = main(['plan', str(RECIPE), *_overrides(config_only, tmp_path, 'global_train_batch_size=512',
-                                                  'device_train_microbatch_size=64'), '--gpu', 'a100-40g'])
+def test_a_recipe_that_cannot_fit_is_refused_in_one_line(tmp_path, capsys):
+    llama2_7b = tmp_path / 'llama-2-7b'  # all 32 layers (tracked at 3 and 4, extrapolated)
+    llama2_7b.mkdir()
+    (llama2_7b / 'config.json').write_text(json.dumps({**SHAPE, 'num_hidden_layers': 32}))
+    code = main(['plan', str(RECIPE), *_overrides(llama2_7b, tmp_path, 'global_train_batch_size=512',
+                                                  'device_train_microbatch_size=64')])
     captured = capsys.readouterr()
     assert code == 2
     error = captured.err.strip().splitlines()
-    assert len(error) == 1 and 'does not fit on A100 40GB' in error[0]
-    assert 'device_train_microbatch_size=' in error[0]  # what to change
+    assert len(error) == 1 and 'does not fit on A100 80GB' in error[0]  # 64 x 4096 a rank: 193 GiB
+    assert 'use device_train_microbatch_size=16' in error[0]  # what to change: the largest that fits
     assert 'DOES NOT FIT' in captured.out
 
 
