@@ -9,11 +9,12 @@ tracking every layer, for a uniform model and for one whose layers differ."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+import subprocess
+import sys
 
 import pytest
 
-from dha_train.plan import plan_recipe
 from helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -102,15 +103,48 @@ SHIPPED = sorted(str(path.relative_to(REPO / 'yamls')) for path in (REPO / 'yaml
                  and not path.name.startswith('tiny'))
 
 
+DEEP_LAYERS = 7  # deeper than the probes (3 and 4 layers) allow without extrapolating
+DEEP_KINDS = ('uniform', 'per-layer MLA ranks')
+
+
+def _deep_config(kind: str) -> dict:
+    config = {**LLAMA2_7B, 'num_hidden_layers': DEEP_LAYERS}
+    if kind == 'uniform':
+        return config
+    config = _mla(config, 0.25)
+    config['mla_ranks'] = [256, 512, 768, 1024, 2048, 256, 3072]  # the last layers unlike the probes'
+    return config
+
+
 @pytest.fixture(scope='module')
-def folders(tmp_path_factory) -> Path:
+def plans(tmp_path_factory) -> dict:
+    """Every plan of this module, made in one fresh process (an in-process training test earlier in the session
+    leaves Composer's process group behind, which would send each plan to a child process of its own)."""
     root = tmp_path_factory.mktemp('config-only')
-    for name, config in FOLDERS.items():
+    for name, config in {**FOLDERS, **{f'deep-{kind}': _deep_config(kind) for kind in DEEP_KINDS}}.items():
         (root / name).mkdir()
         (root / name / 'config.json').write_text(json.dumps(config))
     for name, head_map in HEAD_MAPS.items():
         (root / f'{name}.head_map.json').write_text(json.dumps(head_map))
-    return root
+    folders = [f'variables.data_root={root / "data"}', f'variables.save_root={root / "runs"}']
+    jobs = {}
+    for recipe, (variables, seq_len) in RECIPES.items():
+        overrides = [f'variables.{key}=' + str(root / f'{value[4:]}.head_map.json' if value.startswith('map:')
+                                                else root / value) for key, value in variables.items()]
+        jobs[recipe] = {'recipe': str(REPO / 'yamls' / recipe), 'overrides': overrides + folders,
+                        'options': {'world_size': 8, 'gpu': 'a100-80g', 'seq_len': seq_len, 'search_largest': False}}
+    for kind in DEEP_KINDS:
+        for exact in (False, True):
+            jobs[f'deep {kind} exact={exact}'] = {
+                'recipe': str(REPO / 'yamls' / 'pretrain' / 'llama2_7b_cpt.yaml'),
+                'overrides': [f'variables.model_path={root / f"deep-{kind}"}', *folders, 'global_train_batch_size=16',
+                              'device_train_microbatch_size=2'],
+                'options': {'search_largest': False, 'exact': exact}}
+    done = subprocess.run([sys.executable, str(REPO / 'tests' / 'scripts' / 'plan_jobs.py')], input=json.dumps(jobs),
+                          capture_output=True, text=True, timeout=1200, cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_every_shipped_recipe_is_in_the_table():
@@ -118,44 +152,19 @@ def test_every_shipped_recipe_is_in_the_table():
 
 
 @pytest.mark.parametrize('recipe', sorted(RECIPES))
-def test_a_shipped_recipe_plans_and_fits_on_8_a100_80g(recipe, folders, tmp_path):
-    variables, seq_len = RECIPES[recipe]
-    resolved = {key: (folders / f'{value[4:]}.head_map.json' if value.startswith('map:') else folders / value)
-                for key, value in variables.items()}
-    overrides = [f'variables.{key}={value}' for key, value in resolved.items()]
-    overrides += [f'variables.data_root={tmp_path / "data"}', f'variables.save_root={tmp_path / "runs"}']
-    plan = plan_recipe(str(REPO / 'yamls' / recipe), overrides, world_size=8, gpu='a100-80g', seq_len=seq_len,
-                       search_largest=False)
+def test_a_shipped_recipe_plans_and_fits_on_8_a100_80g(recipe, plans):
+    plan = plans[recipe]
+    assert 'error' not in plan, plan.get('error')
     assert plan['fits'], (recipe, plan['needed_gib'], plan['usable_gib'])
     assert plan['peak_gib'] > 1.0 and plan['tokens_per_s'] > 0  # a 1B-8B model's shards and activations
-    print(f"PLAN {recipe}: {plan['peak_gib']:.2f} GiB, {plan['tokens_per_s']:.0f} tok/s, "
-          f"{plan['wall_hours']:.1f} h")
+    assert plan['world_size'] == 8 and plan['gpu'] == 'A100 80GB'
 
 
-def _deep_llama(folder: Path, layers: int, **extra) -> Path:
-    folder.mkdir()
-    config = {**LLAMA2_7B, 'num_hidden_layers': layers, **extra}
-    (folder / 'config.json').write_text(json.dumps(config))
-    return folder
-
-
-@pytest.mark.parametrize('kind', ['uniform', 'per-layer MLA ranks'])
-def test_extrapolating_a_deep_model_equals_tracking_every_layer(kind, tmp_path):
-    layers = 7  # deeper than the probes (3 and 4 layers) allow without extrapolating
-    if kind == 'uniform':
-        folder = _deep_llama(tmp_path / 'model', layers)
-    else:
-        config = _mla({**LLAMA2_7B, 'num_hidden_layers': layers}, 0.25)
-        config['mla_ranks'] = [256, 512, 768, 1024, 2048, 256, 3072]  # the last layers unlike the probes'
-        folder = tmp_path / 'model'
-        folder.mkdir()
-        (folder / 'config.json').write_text(json.dumps(config))
-    overrides = [f'variables.model_path={folder}', f'variables.data_root={tmp_path / "d"}',
-                 f'variables.save_root={tmp_path / "s"}', 'global_train_batch_size=16', 'device_train_microbatch_size=2']
-    recipe = str(REPO / 'yamls' / 'pretrain' / 'llama2_7b_cpt.yaml')
-    extrapolated = plan_recipe(recipe, overrides, search_largest=False)
-    tracked = plan_recipe(recipe, overrides, search_largest=False, exact=True)
+@pytest.mark.parametrize('kind', DEEP_KINDS)
+def test_extrapolating_a_deep_model_equals_tracking_every_layer(kind, plans):
+    extrapolated, tracked = plans[f'deep {kind} exact=False'], plans[f'deep {kind} exact=True']
     assert extrapolated['extrapolated_from'] == [3, 4] and tracked['extrapolated_from'] is None
+    assert extrapolated['layers'] == tracked['layers'] == DEEP_LAYERS
     assert extrapolated['parameters'] == tracked['parameters']
     assert extrapolated['checkpoint_gib'] == pytest.approx(tracked['checkpoint_gib'], rel=1e-3)
     assert extrapolated['by_category_gib']['optimizer'] == pytest.approx(tracked['by_category_gib']['optimizer'],
