@@ -10,10 +10,9 @@ enough.
 
 Each fake step runs the algorithms' own FIT_START, AFTER_FORWARD and AFTER_LOSS code (a distillation teacher's
 forward, the transfer MSE, the fusion penalty), with the teacher the plan built. Not measured: the data loader's
-pinned buffers. Known gap: aligned GQA's L0 gates read their frozen state with ``.item()``, which fake tensors cannot
-answer, so its pruning recipe does not plan yet. What the tracker does not see is added as a stated reserve
-(``RESERVE_GIB``: the CUDA context and NCCL buffers) and a fragmentation allowance (``FRAGMENTATION``) before the
-verdict.
+pinned buffers. Aligned GQA's L0 gates read a fake gate buffer as open (a run's start). What the tracker does not
+see is added as a stated reserve (``RESERVE_GIB``: the CUDA context and NCCL buffers) and a fragmentation allowance
+(``FRAGMENTATION``) before the verdict.
 """
 
 from __future__ import annotations
@@ -215,7 +214,8 @@ def _measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int
                                                    for t in s.values() if torch.is_tensor(t)))
         return {'reading': _categories(peak, teacher_bytes), 'checkpoint_bytes': checkpoint_bytes,
                 'all_parameters': sum(p.numel() for p in named.values()),  # a DTensor's numel is the full tensor's
-                'teacher_parameters': _teacher_parameters(built.teacher_config), 'precision': precision,
+                'teacher_parameters': sum(p.numel() for p in teacher.parameters()) if teacher else 0,
+                'precision': precision,
                 'layer_sizes': layer_sizes, 'depth': len(layer_sizes), 'extrapolated_from': None}
 
 

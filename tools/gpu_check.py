@@ -42,9 +42,10 @@ def _run(command: list[str], log: Path, timeout: float) -> tuple[int, str, float
         code, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as exc:
         code, output = 124, f'{exc.stdout or ""}{exc.stderr or ""}\ntimed out after {timeout:.0f} s'
+    output = output if isinstance(output, str) else output.decode(errors='replace')
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(output if isinstance(output, str) else output.decode(errors='replace'))
-    return code, log.read_text(), time.time() - start
+    log.write_text(output)
+    return code, output, time.time() - start
 
 
 def _cli(*arguments: str) -> list[str]:
