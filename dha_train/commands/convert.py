@@ -12,7 +12,7 @@ from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
 from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HeadMap, HeadMapError, source_head_map
-from dha_train.ops.mla import PAIR_CRITERIA
+from dha_train.ops.mla import BALANCES, PAIR_CRITERIA
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--rank-step', type=int, default=defaults.rank_step)
     mla.add_argument('--factorisation', choices=FACTORISATIONS, default=defaults.factorisation,
                      help='activation: SVD whitened by the calibration covariance (default); weight: plain SVD')
-    mla.add_argument('--no-balance', dest='balance', action='store_false',
-                     help='factor keys and values without equalising their energy first')
+    mla.add_argument('--balance', choices=BALANCES, default=defaults.balance,
+                     help='scale the keys against the values before the joint factorisation: energy (equal total '
+                          'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
+                          'norm) or none')
     mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')
     mla.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')
     mla.add_argument('--batch-size', type=int, default=defaults.batch_size)

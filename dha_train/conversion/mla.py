@@ -22,6 +22,7 @@ from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
 from dha_train.ops.mla import (
+    BALANCES,
     PAIR_CRITERIA,
     allocate_latent_ranks,
     cache_values_per_token,
@@ -44,7 +45,7 @@ class MlaSettings:
     pair_criterion: str = 'norm'  # norm (MHA2MLA 2-norm), uniform, high_frequency
     ranks: str = 'spectrum'  # uniform or spectrum (allocated over the layers)
     factorisation: str = 'activation'  # activation (calibration covariance) or weight (plain SVD)
-    balance: bool = True  # give keys the values' energy before the joint factorisation (TransMLA)
+    balance: str = 'energy'  # scale keys against values before the joint factorisation (ops.mla.BALANCES)
     rank_step: int = 8  # spectrum ranks are multiples of this
     data: str | None = None  # `dha-train data prep` folder for calibration
     split: str = 'train'
@@ -66,7 +67,8 @@ def check_settings(settings: MlaSettings) -> None:
         raise ConfigError(f'mla: --cache-fraction must be in (0, 1], got {settings.cache_fraction}')
     for name, value, allowed in (('--pair-criterion', settings.pair_criterion, PAIR_CRITERIA),
                                  ('--ranks', settings.ranks, RANK_CHOICES),
-                                 ('--factorisation', settings.factorisation, FACTORISATIONS)):
+                                 ('--factorisation', settings.factorisation, FACTORISATIONS),
+                                 ('--balance', settings.balance, BALANCES)):
         if value not in allowed:
             raise ConfigError(f"mla: {name} must be one of {', '.join(allowed)}, got '{value}'")
     if settings.rope_pairs < 0 or settings.rank_step < 1 or settings.tokens < 1:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.cache_utils import Cache
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -98,6 +99,15 @@ def _dims(pairs: list[list[int]], head_dim: int, device=None) -> tuple[torch.Ten
     return as_tensor(rope, width), as_tensor(nope, head_dim - width)
 
 
+def _rope_attention_factor(config) -> float:
+    """The factor a scaled RoPE (YaRN, LongRoPE) multiplies cos and sin by: 1 for the default and linear types."""
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("default", "linear", "dynamic", "llama3"):
+        return 1.0
+    return float(ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")[1])
+
+
 class MlaLlamaAttention(nn.Module):
     """LLaMA attention with a joint K/V latent and partial RoPE (see the module docstring)."""
 
@@ -110,6 +120,9 @@ class MlaLlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
+        # YaRN (and other scaled RoPE types) multiply cos and sin by an attention factor m, so every rotated score
+        # carries m^2; the position-free dims are never rotated and must carry it too, or they lose it.
+        self.nope_score_scale = _rope_attention_factor(config) ** 2
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
@@ -184,6 +197,8 @@ class MlaLlamaAttention(nn.Module):
         gather_query = lambda dims: query.gather(-1, dims[None, :, None, :].expand(batch, -1, length, -1))  # noqa: E731
         query_rope = self._rotate(gather_query(self.query_rope_dims), self.query_rope_dims, cos, sin)
         query_nope = gather_query(self.query_nope_dims)
+        if self.nope_score_scale != 1.0:
+            query_nope = query_nope * self.nope_score_scale
 
         latent = self.kv_down_proj(hidden_states).unsqueeze(1)                                  # (B, 1, T, rank)
         key_rope = self.k_rope_proj(hidden_states).view(batch, length, self.num_kv_heads, self.rope_width)
@@ -234,7 +249,10 @@ class MlaLlamaAttention(nn.Module):
                                            key_bias.repeat_interleave(group, dim=0)).unsqueeze(-1)
         scores = scores * self.scaling
         if attention_mask is not None:
-            mask = attention_mask[:, :, :, : scores.shape[-1]]
+            if attention_mask.dim() == 2:  # flash-attention-2 passes the (B, S) padding mask
+                mask = attention_mask[:, None, None, : scores.shape[-1]].bool()
+            else:
+                mask = attention_mask[:, :, -1:, : scores.shape[-1]]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query_nope.dtype)
         mixed = torch.matmul(weights, latent)                                                 # (B, H, 1, rank)

@@ -15,8 +15,9 @@ CARE and the K/V balance of TransMLA (arXiv 2502.07864):
    kept rotated key dimensions. ``latent_factors`` minimises ``E ||(W - up @ down) x||^2`` over the calibration
    inputs (covariance ``C = E[x x^T]``): with ``U_r`` the top eigenvectors of ``W C W^T``, ``up = U_r`` and
    ``down = U_r^T W`` (the optimal rank-r approximation of ``W C^(1/2)`` is ``U_r U_r^T W C^(1/2)``, Eckart-Young).
-   Without a covariance (``C = I``) this is plain weight SVD. Keys and values can be balanced first (rows scaled so
-   both carry the same energy under ``C``; the scale is undone in ``up``), so neither dominates the latent.
+   Without a covariance (``C = I``) this is plain weight SVD. Keys and values can be balanced first (the key rows
+   scaled by one factor, undone in ``up``), so neither dominates the latent: ``energy`` gives both the same total
+   energy under ``C``; ``feature_norm`` is TransMLA's code (the same mean per-feature norm over the tokens).
 3. **Ranks per layer.** ``allocate_latent_ranks`` splits a total latent size over the layers from each layer's
    spectrum (the relative energy a rank leaves out) with the same knapsack as the DHA Search's K/V budget
    (``ops.budget.allocate_slots``); a uniform rank is the alternative.
@@ -105,24 +106,44 @@ def head_rows(dims: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (dims + offsets).flatten()
 
 
-def balance_scales(key_rows: torch.Tensor, value_rows: torch.Tensor,
-                   covariance: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row scales of ``[key_rows; value_rows]`` that give the keys the values' energy under ``covariance``
-    (``trace(W C W^T)``; C = I without one): keys scaled by ``sqrt(E_v / E_k)``, values by 1 (TransMLA's K/V
-    balance before the joint factorisation)."""
-    key_energy = _energy(key_rows, covariance)
-    value_energy = _energy(value_rows, covariance)
-    if key_energy <= 0 or value_energy <= 0:
+BALANCES = ('energy', 'feature_norm', 'none')
+
+
+def balance_scales(key_rows: torch.Tensor, value_rows: torch.Tensor, covariance: torch.Tensor | None = None,
+                   balance: str = 'energy') -> torch.Tensor:
+    """Per-row scales of ``[key_rows; value_rows]`` that scale the keys by one factor before the joint factorisation,
+    so neither block dominates the latent (the scale is undone in the up-projection). Values keep scale 1.
+
+    - ``energy``: equal total energy under ``covariance`` (``trace(W C W^T)``, C = I without one): keys scaled by
+      ``sqrt(E_v / E_k)``;
+    - ``feature_norm``: TransMLA's code: equal mean over features of each feature's norm over the tokens, i.e. of
+      ``sqrt(w_f^T C w_f)`` per row ``w_f``: keys scaled by ``mean_f sqrt(v_f C v_f) / mean_f sqrt(k_f C k_f)``.
+
+    The two agree when every feature of a block carries the same energy; ``energy`` lets a few strong key features
+    set the factor, ``feature_norm`` the typical feature.
+    """
+    if balance not in BALANCES[:2]:
+        raise ValueError(f'balance must be one of {", ".join(BALANCES[:2])}, got {balance!r}')
+    if balance == 'energy':
+        key_size, value_size = _energy(key_rows, covariance), _energy(value_rows, covariance)
+    else:
+        key_size, value_size = _row_energies(key_rows, covariance).sqrt().mean(), \
+            _row_energies(value_rows, covariance).sqrt().mean()
+    if key_size <= 0 or value_size <= 0:
         raise ValueError('cannot balance a key or value block with no energy')
-    key_scale = (value_energy / key_energy).sqrt()
+    key_scale = (value_size / key_size).sqrt() if balance == 'energy' else value_size / key_size
     return torch.cat([key_scale.expand(key_rows.shape[0]), torch.ones(value_rows.shape[0], dtype=torch.float64)])
 
 
-def _energy(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor:
+def _row_energies(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor:
     rows = rows.double()
     if covariance is None:
-        return rows.pow(2).sum()
-    return torch.einsum('ij,jk,ik->', rows, covariance.double(), rows)
+        return rows.pow(2).sum(dim=1)
+    return torch.einsum('ij,jk,ik->i', rows, covariance.double(), rows)
+
+
+def _energy(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor:
+    return _row_energies(rows, covariance).sum()
 
 
 def _latent_gram(weight: torch.Tensor, covariance: torch.Tensor | None,
@@ -217,16 +238,20 @@ def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_
 
 def joint_latent_rows(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
                       covariance: torch.Tensor | None = None,
-                      balance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      balance: str = 'none') -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the rows the latent factors: per head the position-free key rows, then the value rows, in float64; their
-    balance scales or None). ``latent_energies(rows, covariance, scales)`` is the layer's spectrum."""
+    balance scales (``balance_scales``) or None for ``none``). ``latent_energies(rows, covariance, scales)`` is the
+    layer's spectrum."""
+    if balance not in BALANCES:
+        raise ValueError(f'balance must be one of {", ".join(BALANCES)}, got {balance!r}')
     key_nope = k_weight.double()[head_rows(nope_dims(kept_pairs, head_dim), head_dim)]
-    scales = balance_scales(key_nope, v_weight, covariance) if balance and key_nope.shape[0] else None
+    scales = (balance_scales(key_nope, v_weight, covariance, balance)
+              if balance != 'none' and key_nope.shape[0] else None)
     return torch.cat([key_nope, v_weight.double()]), scales
 
 
 def mla_layer_weights(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
-                      rank: int, covariance: torch.Tensor | None = None, balance: bool = False,
+                      rank: int, covariance: torch.Tensor | None = None, balance: str = 'none',
                       k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One layer's MLA projections from its k_proj/v_proj (kv_heads * head_dim rows): ``k_rope_proj`` (the kept
     pairs' key rows, first halves then second halves per head), ``kv_down_proj`` (rank x hidden) and ``kv_up_proj``

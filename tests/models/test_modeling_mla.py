@@ -122,3 +122,48 @@ def test_config_refuses_layouts_that_do_not_fit():
         MlaLlamaConfig(mla_ranks=[29, 4], mla_rope_pairs=[[[0], [1]]] * 2, **base)
     with pytest.raises(ValueError, match='increasing and within 0..3'):
         MlaLlamaConfig(mla_ranks=[4, 4], mla_rope_pairs=[[[4], [1]]] * 2, **base)
+
+
+def test_absorbed_decode_takes_flash_attention_2s_two_d_padding_mask():
+    """transformers gives flash-attention-2 the (B, S) padding mask, not the 4-D one: the absorbed decode step must
+    read it as the same mask (it crashed slicing it as 4-D)."""
+    model = _convert(_source(), pairs=1, rank=10)
+    attention = model.model.layers[0].self_attn
+    batch, length, nope = 2, 9, attention.nope_width
+    generator = torch.Generator().manual_seed(5)
+    query_nope = torch.randn(batch, HEADS, 1, nope, generator=generator)
+    query_rope = torch.randn(batch, HEADS, 1, attention.rope_width, generator=generator)
+    latent = torch.randn(batch, 1, length, attention.rank, generator=generator)
+    key_rope = torch.randn(batch, KV_HEADS, length, attention.rope_width, generator=generator)
+    padding = torch.ones(batch, length, dtype=torch.long)
+    padding[1, :4] = 0  # the second sequence is left-padded
+    additive = torch.zeros(batch, 1, 1, length).masked_fill(padding[:, None, None, :] == 0, torch.finfo().min)
+    with torch.no_grad():
+        from_2d, weights_2d = attention.latent_attention(query_nope, query_rope, latent, key_rope, padding)
+        from_4d, _ = attention.latent_attention(query_nope, query_rope, latent, key_rope, additive)
+        unmasked, _ = attention.latent_attention(query_nope, query_rope, latent, key_rope, None)
+    torch.testing.assert_close(from_2d, from_4d, rtol=0, atol=1e-6)
+    assert float(weights_2d[1, :, :, :4].abs().max()) == 0.0
+    assert not torch.allclose(from_2d[1], unmasked[1], atol=1e-3)
+
+
+def test_a_yarn_source_keeps_its_attention_factor_on_the_position_free_dims():
+    """YaRN multiplies cos and sin by m, so every source score carries m^2. At position 0 RoPE turns nothing, so the
+    source's scores are (q.k) m^2 on every dim; the MLA model at full rank must match there with some pairs
+    position-free, which it only does if those dims carry m^2 too."""
+    yarn = {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32}
+    source = _source()
+    source.config.rope_scaling = yarn
+    yarn_source = LlamaForCausalLM(source.config).eval()
+    yarn_source.load_state_dict(source.state_dict())
+    factor = float(yarn_source.model.rotary_emb.attention_scaling)
+    assert abs(factor - 1.0) > 0.1  # the check below could not tell the scaling apart otherwise
+    model = _convert(yarn_source, pairs=1, rank=None)
+    ids = _ids()
+    positions = torch.zeros_like(ids)
+    with torch.no_grad():
+        expected = yarn_source(ids, position_ids=positions).logits
+        torch.testing.assert_close(model(ids, position_ids=positions).logits, expected, rtol=0, atol=1e-5)
+        unscaled = model.model.layers[0].self_attn
+        unscaled.nope_score_scale = 1.0  # the model as it was before the fix
+        assert (model(ids, position_ids=positions).logits - expected).abs().max() > 1e-2

@@ -148,6 +148,25 @@ def test_balance_gives_keys_the_values_energy():
     assert torch.all(scales[6:] == 1)
 
 
+def test_feature_norm_balance_gives_keys_the_values_mean_feature_norm_over_the_tokens():
+    """TransMLA's balance, checked on token samples: the mean over features of each feature's norm over the tokens
+    is equal for the scaled keys and the values (and differs from the energy balance when the key features do)."""
+    generator = torch.Generator().manual_seed(8)
+    keys = torch.randn(6, 12, dtype=torch.float64, generator=generator) * torch.tensor([40.0, 1, 1, 1, 1, 1],
+                                                                                      dtype=torch.float64)[:, None]
+    values = torch.randn(4, 12, dtype=torch.float64, generator=generator)
+    inputs = torch.randn(20000, 12, dtype=torch.float64, generator=generator) @ torch.diag(
+        torch.linspace(0.2, 3.0, 12, dtype=torch.float64))
+    covariance = inputs.T @ inputs / inputs.shape[0]
+    scales = balance_scales(keys, values, covariance, 'feature_norm')
+    outputs = inputs @ (torch.cat([keys, values]) * scales.unsqueeze(1)).T  # (tokens, features)
+    per_feature = outputs.norm(dim=0)
+    assert float(per_feature[:6].mean()) == pytest.approx(float(per_feature[6:].mean()), rel=1e-9)
+    assert float(scales[0]) != pytest.approx(float(balance_scales(keys, values, covariance)[0]), rel=0.1)
+    with pytest.raises(ValueError, match='balance must be one of'):
+        balance_scales(keys, values, covariance, 'none')
+
+
 def test_rank_allocation_matches_brute_force_and_meets_the_total():
     generator = torch.Generator().manual_seed(9)
     spectra = [torch.sort(torch.rand(6, dtype=torch.float64, generator=generator) ** power, descending=True).values

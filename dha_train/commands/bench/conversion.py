@@ -140,7 +140,8 @@ def _asym_gqa(run: Path, work: Path, kv_heads: int, batches: int | None, symmetr
 def mla_variants(rope_pairs: int) -> list[tuple[str, dict]]:
     """(name, MlaSettings changes) of the MLA rows: the default conversion first, then one choice changed each."""
     return [('default', {}), ('weight SVD', {'factorisation': 'weight'}), ('uniform pairs', {'pair_criterion': 'uniform'}),
-            ('uniform ranks', {'ranks': 'uniform'}), ('no balance', {'balance': False}),
+            ('uniform ranks', {'ranks': 'uniform'}), ('no balance', {'balance': 'none'}),
+            ('feature-norm balance', {'balance': 'feature_norm'}),
             (f'{2 * rope_pairs} RoPE pairs', {'rope_pairs': 2 * rope_pairs})]
 
 
