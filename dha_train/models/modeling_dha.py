@@ -3,9 +3,15 @@
 Every layer has its own number of key heads and of value heads; a head map says which compact key head and which
 compact value head each query head reads. MHA (identity map), GQA and AsymGQA are special cases.
 
-The KV cache stores only the compact heads, so a model at a 25% KV-head budget holds 25% of MHA's cache. The compact
-K/V are expanded to the query heads after the cache update, and the standard attention kernels (SDPA, eager,
-flash-attention-2) then run as plain MHA.
+The KV cache stores only the compact heads, so a model at a 25% KV-head budget holds 25% of MHA's cache.
+
+- **Decode** (one new token over a cache, eval mode) attends grouped by compact head and reads each cached head once:
+  the scores per key head for the query heads that read it, the softmax per query head, the values per value head
+  for the query heads that read it (``grouped_attention``). No K/V tensor of query-head size is built, so a step
+  reads the small cache only, which is what makes a smaller cache decode faster.
+- **Training and prefill** expand the compact K/V to the query heads and call the standard kernels (SDPA, eager,
+  flash-attention-2) as plain MHA (``expanded_attention``): there the copy is the size of the queries, and the fused
+  kernels are worth more than avoiding it.
 
 This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
 exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
@@ -104,6 +110,7 @@ class DhaLlamaAttention(nn.Module):
         # Not persistent: the map lives in the config, and a state dict stays a plain tensor-per-weight file.
         self.register_buffer("key_index", torch.tensor(key_index, dtype=torch.long), persistent=False)
         self.register_buffer("value_index", torch.tensor(value_index, dtype=torch.long), persistent=False)
+        self._register_groups(key_index, value_index)
 
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
@@ -111,11 +118,36 @@ class DhaLlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
+    @staticmethod
+    def _groups(index: list[int]) -> tuple[list[list[int]], list[int]]:
+        """(per compact head, the query heads that read it, padded to the largest group by repeating its first
+        member; per query head, its slot in the flattened padded groups). Python lists: a meta-device build holds
+        no values to read back."""
+        members: list[list[int]] = [[] for _ in range(max(index) + 1)]
+        for query_head, compact_head in enumerate(index):
+            members[compact_head].append(query_head)
+        width = max(len(group) for group in members)
+        slot = [0] * len(index)
+        for compact_head, group in enumerate(members):
+            for position, query_head in enumerate(group):
+                slot[query_head] = compact_head * width + position
+        return [group + [group[0]] * (width - len(group)) for group in members], slot
+
+    def _register_groups(self, key_index: list[int], value_index: list[int]) -> None:
+        for kind, index in (("key", key_index), ("value", value_index)):
+            groups, slot = self._groups(index)
+            self.register_buffer(f"{kind}_group_queries", torch.tensor(groups, dtype=torch.long), persistent=False)
+            self.register_buffer(f"{kind}_group_slot", torch.tensor(slot, dtype=torch.long), persistent=False)
+
     def reset_head_index(self) -> None:
         """Refill the head-index buffers from the config (``_init_weights`` calls this)."""
         key_index, value_index = self.config.layer_head_map(self.layer_idx)
         self.key_index.copy_(torch.tensor(key_index, dtype=torch.long))
         self.value_index.copy_(torch.tensor(value_index, dtype=torch.long))
+        for kind, index in (("key", key_index), ("value", value_index)):
+            groups, slot = self._groups(index)
+            getattr(self, f"{kind}_group_queries").copy_(torch.tensor(groups, dtype=torch.long))
+            getattr(self, f"{kind}_group_slot").copy_(torch.tensor(slot, dtype=torch.long))
 
     def forward(
         self,
@@ -150,6 +182,18 @@ class DhaLlamaAttention(nn.Module):
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
+        if cache is not None and input_shape[1] == 1 and not self.training:
+            attn_output, attn_weights = self.grouped_attention(query_states, key_states, value_states, attention_mask)
+        else:
+            attn_output, attn_weights = self.expanded_attention(query_states, key_states, value_states,
+                                                                attention_mask, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    def expanded_attention(self, query_states, key_states, value_states, attention_mask, **kwargs):
+        """The compact K/V expanded to one head per query head, then the configured kernel as plain MHA:
+        ((B, T, H, D) output, weights or None)."""
         key_states = key_states.index_select(1, self.key_index)
         value_states = value_states.index_select(1, self.value_index)
 
@@ -157,7 +201,7 @@ class DhaLlamaAttention(nn.Module):
         if self.config._attn_implementation != "eager":
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
 
-        attn_output, attn_weights = attention_interface(
+        return attention_interface(
             self,
             query_states,
             key_states,
@@ -168,9 +212,34 @@ class DhaLlamaAttention(nn.Module):
             **kwargs,
         )
 
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
+    def grouped_attention(self, query_states, key_states, value_states, attention_mask):
+        """Attention that reads every compact K/V head once: queries (B, H, T, D) against keys (B, H_K, S, D) and
+        values (B, H_V, S, D), for T new positions that see every cached one (a decode step). ((B, T, H, D) output,
+        (B, H, T, S) weights). Query heads are gathered per key head (each group padded to the largest), scored
+        against their key head in one batched matmul, the softmax taken per query head, and the weights gathered
+        per value head for one batched matmul with the values."""
+        batch, heads, length, dim = query_states.shape
+        key_heads, source_length = key_states.shape[1], key_states.shape[2]
+        value_heads = value_states.shape[1]
+        # (B, H_K, G_K * T, D) @ (B, H_K, D, S): each cached key head is read once
+        grouped_query = query_states[:, self.key_group_queries.flatten()].reshape(batch, key_heads, -1, dim)
+        scores = torch.matmul(grouped_query, key_states.transpose(2, 3))
+        scores = scores.reshape(batch, -1, length, source_length)[:, self.key_group_slot] * self.scaling
+        if attention_mask is not None:
+            if attention_mask.dim() == 2:  # flash-attention-2 passes the (B, S) padding mask
+                mask = attention_mask[:, None, None, :source_length].bool()
+            else:
+                mask = attention_mask[:, :, -length:, :source_length]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        # at least float32 for the softmax, as the eager kernel; float64 inputs stay float64
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights = weights.to(query_states.dtype)
+        # (B, H_V, G_V * T, S) @ (B, H_V, S, D): each cached value head is read once
+        grouped_weights = weights[:, self.value_group_queries.flatten()].reshape(batch, value_heads, -1,
+                                                                                  source_length)
+        output = torch.matmul(grouped_weights, value_states)
+        output = output.reshape(batch, -1, length, dim)[:, self.value_group_slot]
+        return output.transpose(1, 2), weights
 
 
 class DhaLlamaDecoderLayer(LlamaDecoderLayer):

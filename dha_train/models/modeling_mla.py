@@ -235,31 +235,38 @@ class MlaLlamaAttention(nn.Module):
 
     def latent_attention(self, query_nope, query_rope, latent, key_rope, attention_mask):
         """One decode step against the latent cache, U_k absorbed into the query and U_v into the output: the
-        (B, 1, H * d) attention output before o_proj, and the attention weights."""
-        batch = query_nope.shape[0]
+        (B, 1, H * d) attention output before o_proj, and the (B, H, 1, S) attention weights.
+
+        Every product is one batched matmul over the cache as it is stored: all query heads against the one latent
+        (B, H, r) x (B, r, S), and the query heads of a K/V head against its rotated keys, so nothing of the cache is
+        copied per query head."""
+        batch, heads = query_nope.shape[:2]
+        kv_heads, group, rank = self.num_kv_heads, self.num_key_value_groups, self.rank
         up_key, up_value, key_bias, value_bias = self._split_up()
-        group = self.num_key_value_groups
-        # (B, H, 1, n) x (H, n, rank) -> (B, H, 1, rank): each query head through its K/V head's key up-projection
-        query_latent = torch.einsum("bhqn,hnr->bhqr", query_nope, up_key.repeat_interleave(group, dim=0))
-        scores = torch.matmul(query_latent, latent.transpose(2, 3))                       # (B, H, 1, S)
-        key_rope = key_rope.repeat_interleave(group, dim=1)
-        scores = scores + torch.matmul(query_rope, key_rope.transpose(2, 3))
+        latent = latent.reshape(batch, -1, rank)                                              # (B, S, r)
+        query_nope = query_nope.reshape(batch, kv_heads, group, self.nope_width)
+        # each query head through its K/V head's key up-projection: (B, G, group, n) x (G, n, r)
+        query_latent = torch.einsum("bgqn,gnr->bgqr", query_nope, up_key).reshape(batch, heads, rank)
+        scores = torch.bmm(query_latent, latent.transpose(1, 2))                              # (B, H, S)
+        rope_scores = torch.matmul(query_rope.reshape(batch, kv_heads, group, self.rope_width),
+                                   key_rope.transpose(2, 3))                                  # (B, G, group, S)
+        scores = scores + rope_scores.reshape(batch, heads, -1)
         if key_bias is not None:  # a constant per query: kept so the weights equal the expanded path's
-            scores = scores + torch.einsum("bhqn,hn->bhq", query_nope,
-                                           key_bias.repeat_interleave(group, dim=0)).unsqueeze(-1)
+            scores = scores + torch.einsum("bgqn,gn->bgq", query_nope, key_bias).reshape(batch, heads, 1)
         scores = scores * self.scaling
         if attention_mask is not None:
             if attention_mask.dim() == 2:  # flash-attention-2 passes the (B, S) padding mask
-                mask = attention_mask[:, None, None, : scores.shape[-1]].bool()
+                mask = attention_mask[:, None, : scores.shape[-1]].bool()
             else:
-                mask = attention_mask[:, :, -1:, : scores.shape[-1]]
+                mask = attention_mask[:, :, -1, : scores.shape[-1]]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query_nope.dtype)
-        mixed = torch.matmul(weights, latent)                                                 # (B, H, 1, rank)
-        output = torch.einsum("bhqr,hdr->bhqd", mixed, up_value.repeat_interleave(group, dim=0))
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights = weights.to(query_rope.dtype)
+        mixed = torch.bmm(weights, latent).reshape(batch, kv_heads, group, rank)              # (B, G, group, r)
+        output = torch.einsum("bgqr,gdr->bgqd", mixed, up_value)
         if value_bias is not None:  # the weights sum to 1
-            output = output + value_bias.repeat_interleave(group, dim=0)[None, :, None, :]
-        return output.transpose(1, 2).reshape(batch, 1, -1).contiguous(), weights
+            output = output + value_bias[None, :, None, :]
+        return output.reshape(batch, 1, heads * self.head_dim).contiguous(), weights.unsqueeze(2)
 
 
 class MlaLlamaDecoderLayer(LlamaDecoderLayer):

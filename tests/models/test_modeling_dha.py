@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the Auto classes)
 from dha_train.models.head_map import HeadMap
@@ -130,3 +130,70 @@ def test_auto_class_loads_without_trust_remote_code_after_import(saved):
 def test_trust_remote_code_load_without_dha_train(saved, tmp_path):
     folder, expected = saved
     torch.testing.assert_close(logits_without_dha_train(folder, input_ids(), tmp_path), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('dtype, tolerance', [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize('mask_kind', ['none', 'additive_4d', 'bool_4d', 'padding_2d'])
+def test_grouped_decode_equals_the_expanded_kernels(dtype, tolerance, mask_kind):
+    """One decode step read grouped by compact head equals expanding K/V to the query heads and running the eager
+    and SDPA kernels, for uneven groups whose K and V groupings differ, with every form of padding mask: to float64
+    rounding against SDPA, within bf16's resolution in bf16."""
+    model = dha_model(DHA_25).to(dtype)
+    batch, cached = 3, 11
+    padding = torch.ones(batch, cached, dtype=torch.long)
+    padding[1, :4] = 0  # left-padded
+    padding[2, :1] = 0
+    masks = {'none': None, 'padding_2d': padding, 'bool_4d': padding[:, None, None, :].bool(),
+             'additive_4d': torch.zeros(batch, 1, 1, cached, dtype=dtype).masked_fill(
+                 padding[:, None, None, :] == 0, torch.finfo(dtype).min)}
+    reference_mask = masks['bool_4d'] if mask_kind != 'none' else None
+    generator = torch.Generator().manual_seed(2)
+    for attention in (layer.self_attn for layer in model.model.layers):
+        query = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype)
+        keys = torch.randn(batch, attention.num_key_heads, cached, HEAD_DIM, generator=generator,
+                           dtype=torch.float64).to(dtype) * 3
+        values = torch.randn(batch, attention.num_value_heads, cached, HEAD_DIM, generator=generator,
+                             dtype=torch.float64).to(dtype)
+        with torch.no_grad():
+            grouped, weights = attention.grouped_attention(query, keys, values, masks[mask_kind])
+            for kernel in ('eager', 'sdpa'):
+                model.config._attn_implementation = kernel
+                expanded, _ = attention.expanded_attention(
+                    query, keys, values, reference_mask if kernel == 'sdpa' or reference_mask is None
+                    else masks['additive_4d'])
+                # the eager kernel takes its softmax in float32 whatever the input
+                bound = max(tolerance, 1e-6) if kernel == 'eager' else tolerance
+                torch.testing.assert_close(grouped, expanded, rtol=bound, atol=bound)
+        assert grouped.shape == (batch, 1, NUM_HEADS, HEAD_DIM) and weights.shape == (batch, NUM_HEADS, 1, cached)
+        if mask_kind != 'none':
+            assert float(weights[1, :, :, :4].abs().max()) == 0.0
+
+
+def test_decode_steps_run_grouped_and_never_build_query_sized_key_or_value_tensors():
+    """A cached decode step goes through the grouped path, whose tensors stay at the compact head counts; the
+    logits of cached decoding equal the uncached forward (which expands)."""
+    model = dha_model(DHA_25)
+    sizes = []
+    attention = model.model.layers[1].self_attn  # K 1 head, V 3 heads
+
+    def record(module, args):
+        sizes.append((args[1].shape[1], args[2].shape[1]))
+    handle = attention.__class__.grouped_attention
+    calls = []
+
+    def spy(self, *args):
+        calls.append(self.layer_idx)
+        record(self, args)
+        return handle(self, *args)
+    ids = input_ids(batch=2, seq_len=9)
+    try:
+        attention.__class__.grouped_attention = spy
+        with torch.no_grad():
+            cache = DynamicCache()
+            prefix = model(ids[:, :5], past_key_values=cache, use_cache=True).logits
+            steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 9)]
+    finally:
+        attention.__class__.grouped_attention = handle
+    assert calls == [0, 1] * 4  # every decode step, every layer; never the prefix
+    assert set(sizes) == {(2, 2), (1, 3)}
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), logits(model, ids), rtol=0, atol=1e-5)

@@ -8,6 +8,8 @@
 - ``gqa-memory``: parameters and peak memory of DHA Fusion on a GQA source's own K/V heads against expanding them
   to one per query head, at LLaMA-3-8B geometry (meta device, one layer measured);
 - ``mla``: one decode step's attention over the MLA latent cache against MHA and GQA at the same cache bytes;
+- ``decode``: decode attention time and end-to-end decode tokens/s of MHA, GQA, DHA at 50% and 25% (grouped decode,
+  and the expanded path for the before/after), MLA at GQA's bytes and MoH at 75%, on CPU or a GPU;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time.
 """
@@ -19,6 +21,9 @@ import argparse
 from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
+from dha_train.commands.bench.decode import ROWS as DECODE_ROWS
+from dha_train.commands.bench.decode import SECTIONS as DECODE_SECTIONS
+from dha_train.commands.bench.decode import DecodeSettings, run_decode_bench
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
@@ -116,6 +121,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--repeats', type=int, default=5, help='interleaved timing rounds (median reported)')
     mla.add_argument('--out', default=None, help='folder for results.json')
     mla.set_defaults(func=run_mla)
+    decode = bench.add_parser('decode', help=f'decode attention time and decode tokens/s of {", ".join(DECODE_ROWS)}'
+                              ' against MHA, by batch and sequence length, on CPU or a GPU')
+    defaults = DecodeSettings()
+    decode.add_argument('--batch-sizes', dest='batch_sizes', nargs='+', type=int, default=list(defaults.batch_sizes))
+    decode.add_argument('--seq-lens', dest='seq_lens', nargs='+', type=int, default=list(defaults.seq_lens))
+    decode.add_argument('--heads', type=int, default=defaults.heads)
+    decode.add_argument('--head-dim', dest='head_dim', type=int, default=defaults.head_dim)
+    decode.add_argument('--kv-heads', dest='kv_heads', type=int, default=defaults.kv_heads,
+                        help='K/V heads of the GQA row, whose cache bytes the MLA row matches')
+    decode.add_argument('--rope-pairs', dest='rope_pairs', type=int, default=defaults.rope_pairs,
+                        help='RoPE pairs the MLA row keeps per K/V head')
+    decode.add_argument('--layers', type=int, default=defaults.layers, help='layers of the end-to-end decode models')
+    decode.add_argument('--calls', type=int, default=defaults.calls, help='attention calls per timing round')
+    decode.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=defaults.decode_tokens,
+                        help='greedy steps per end-to-end timing round')
+    decode.add_argument('--repeats', type=int, default=defaults.repeats, help='interleaved rounds (median reported)')
+    decode.add_argument('--device', default=defaults.device, help='cpu, cuda or cuda:N')
+    decode.add_argument('--dtype', default=defaults.dtype, choices=['float32', 'bfloat16', 'float16'])
+    decode.add_argument('--sections', nargs='+', default=list(DECODE_SECTIONS), choices=DECODE_SECTIONS,
+                        help='attention: one decode step\'s attention over the cache; decode: end-to-end greedy '
+                             'decode tokens/s (default: both)')
+    decode.add_argument('--out', default=None, help='folder for results.json')
+    decode.set_defaults(func=run_decode)
     real = bench.add_parser('real', help='every method on SmolLM2-135M (GQA, imported from the bundled GGUF) at 1/3 '
                             'and 2/3 of its K+V cache: held-out loss, 6-task accuracy, KV bytes, tokens, wall time')
     real.add_argument('--out', default='bench_real', help='folder for the imported model, data, stages (reused '
@@ -201,6 +229,13 @@ def run_mla(args: argparse.Namespace) -> int:
     run_mla_bench(seq_lens=args.seq_lens, out=args.out, heads=args.heads, head_dim=args.head_dim,
                   kv_heads=args.kv_heads, kv_source=args.kv_source, rope_pairs=args.rope_pairs, calls=args.calls,
                   repeats=args.repeats)
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    settings = DecodeSettings(**{name: getattr(args, name) for name in DecodeSettings.__dataclass_fields__
+                                 if name != 'seed'})
+    run_decode_bench(settings, out=args.out)
     return 0
 
 
