@@ -1,5 +1,5 @@
-"""`dha-train convert`: mean-pool to a head map (``dha_train.conversion.mean_pool``) or convert to MLA
-(``dha_train.conversion.mla``)."""
+"""`dha-train convert`: mean-pool to a head map (``dha_train.conversion.mean_pool``) or convert to MLA, in the
+project's MLA class (``dha_train.conversion.mla``) or in DeepSeek's format (``dha_train.conversion.deepseek``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import argparse
 from transformers import LlamaConfig
 
 from dha_train.config import ConfigError
+from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
 from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HeadMap, HeadMapError, source_head_map
+from dha_train.ops.deepseek import LATENT_NORM_FITS
 from dha_train.ops.mla import BALANCES, PAIR_CRITERIA
+
+MLA_FORMATS = ('dha_train', 'deepseek')
+# Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
+_NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,14 +36,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = MlaSettings(cache_fraction=1.0)
     mla.add_argument('--cache-fraction', type=float, default=None,
                      help='cache numbers per token as a fraction of the source\'s K+V cache (e.g. 0.3333)')
-    mla.add_argument('--rope-pairs', type=int, default=defaults.rope_pairs,
-                     help=f'RoPE pairs kept rotated per K/V head (default {defaults.rope_pairs})')
-    mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=defaults.pair_criterion)
-    mla.add_argument('--ranks', choices=RANK_CHOICES, default=defaults.ranks,
-                     help='latent rank per layer: uniform, or allocated from the spectra (default)')
-    mla.add_argument('--rank-step', type=int, default=defaults.rank_step)
-    mla.add_argument('--factorisation', choices=FACTORISATIONS, default=defaults.factorisation,
+    mla.add_argument('--format', dest='mla_format', choices=MLA_FORMATS, default='dha_train',
+                     help='dha_train: the project\'s MLA class (per-layer ranks, RoPE pairs per K/V head; loads with '
+                          'trust_remote_code); deepseek: transformers\' own DeepseekV3ForCausalLM (one rank, one '
+                          'RoPE key shared by all heads), the format serving engines\' MLA kernels run')
+    mla.add_argument('--rope-pairs', type=int, default=None,
+                     help=f'RoPE pairs kept rotated: per K/V head (default {defaults.rope_pairs}), or with --format '
+                          'deepseek in the shared RoPE key (default head_dim / 4)')
+    mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=None,
+                     help=f'which pairs each K/V head keeps (default {defaults.pair_criterion}; not with deepseek, '
+                          'whose pairs are strided)')
+    mla.add_argument('--ranks', choices=RANK_CHOICES, default=None,
+                     help=f'latent rank per layer: uniform, or allocated from the spectra (default '
+                          f'{defaults.ranks}; deepseek has one rank)')
+    mla.add_argument('--rank-step', type=int, default=None, help=f'default {defaults.rank_step}')
+    mla.add_argument('--factorisation', choices=FACTORISATIONS, default=None,
                      help='activation: SVD whitened by the calibration covariance (default); weight: plain SVD')
+    mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default='regression',
+                     help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
+                          'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
     mla.add_argument('--balance', choices=BALANCES, default=defaults.balance,
                      help='scale the keys against the values before the joint factorisation: energy (equal total '
                           'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
@@ -77,14 +94,32 @@ def run_mla(args: argparse.Namespace) -> int:
         raise ConfigError('convert --method mla takes --cache-fraction, not --head-map or --kv-heads')
     if args.cache_fraction is None:
         raise ConfigError('convert --method mla needs --cache-fraction (of the source\'s K+V cache)')
-    settings = MlaSettings(cache_fraction=args.cache_fraction, rope_pairs=args.rope_pairs,
-                           pair_criterion=args.pair_criterion, ranks=args.ranks, factorisation=args.factorisation,
-                           balance=args.balance, rank_step=args.rank_step, data=args.data, tokens=args.tokens,
-                           batch_size=args.batch_size, seed=args.seed, device=args.device)
+    if args.mla_format == 'deepseek':
+        return run_deepseek(args)
+    given = {name: getattr(args, name) for name in (*_NOT_DEEPSEEK, 'rope_pairs') if getattr(args, name) is not None}
+    settings = MlaSettings(cache_fraction=args.cache_fraction, balance=args.balance, data=args.data,
+                           tokens=args.tokens, batch_size=args.batch_size, seed=args.seed, device=args.device, **given)
     report = convert_to_mla(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     ranks = report['ranks']
     print(f'dha-train convert --method mla: wrote {args.out_dir} (latent ranks {min(ranks)}-{max(ranks)}, '
           f'{report["rope_pairs"]} RoPE pairs per K/V head; {report["cache_values_per_token"]} cache numbers per '
           f'token: {report["fraction_of_source"]:.1%} of the source KV cache, {report["fraction_of_mha"]:.1%} of '
           'MHA\'s)')
+    return 0
+
+
+def run_deepseek(args: argparse.Namespace) -> int:
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_DEEPSEEK if getattr(args, name) is not None]
+    if given:
+        raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
+                          'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
+    settings = DeepseekSettings(cache_fraction=args.cache_fraction, rope_pairs=args.rope_pairs,
+                                latent_norm_fit=args.latent_norm_fit, balance=args.balance, data=args.data,
+                                tokens=args.tokens, batch_size=args.batch_size, seed=args.seed, device=args.device)
+    report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
+    print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
+          f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '
+          f'{report["rope_pairs"]} ({report["rope_energy_kept"]:.1%} of the key energy kept rotated), '
+          f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
+          f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')
     return 0

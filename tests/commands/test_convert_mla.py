@@ -66,7 +66,40 @@ def test_a_third_of_the_cache_calibrated_holds_the_stated_bytes(gqa_source, tmp_
     assert out.shape == (1, 7)
 
 
+def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_with_its_cache(gqa_source, tmp_path,
+                                                                                           data_root, capsys):
+    """A third of the cache in DeepSeek's format: transformers' DeepseekV3ForCausalLM loads it with no code in the
+    folder; the latent plus the shared RoPE key hold the budget; cached greedy decoding equals the uncached argmax,
+    with either fit of the latent norm."""
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(5))
+    for fit in ('scalar', 'regression'):
+        out = tmp_path / fit
+        assert main(['convert', str(gqa_source), str(out), '--method', 'mla', '--format', 'deepseek',
+                     '--cache-fraction', '0.3333', '--rope-pairs', '1', '--latent-norm-fit', fit,
+                     '--data', str(data_root), '--tokens', '512', '--batch-size', '4']) == 0
+        printed = capsys.readouterr().out
+        assert not list(out.glob('*.py'))  # no custom code: transformers' own class
+        model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+        assert type(model).__name__ == 'DeepseekV3ForCausalLM'
+        config = model.config
+        assert config.q_lora_rank is None and config.first_k_dense_replace == LAYERS and config.rope_interleave
+        assert config.kv_lora_rank + config.qk_rope_head_dim == (2 * KV_HEADS * HEAD_DIM) // 3  # 32 per layer
+        assert f'{LAYERS * (2 * KV_HEADS * HEAD_DIM // 3)} cache numbers per token' in printed
+        prompt = ids[:1, :6]
+        with torch.no_grad():
+            generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            expected = prompt
+            for _ in range(6):
+                expected = torch.cat([expected, model(expected, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)],
+                                     dim=1)
+        assert torch.equal(generated, expected)
+
+
 @pytest.mark.parametrize('arguments, message', [
+    (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--ranks', 'uniform'],
+     '--ranks do not apply'),
+    (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5'], 'needs calibration data'),
+    (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.05', '--data', 'x'], 'leaves no latent'),
     (['--method', 'mla'], 'needs --cache-fraction'),
     (['--method', 'mla', '--cache-fraction', '0.5', '--kv-heads', '1'], 'not --head-map or --kv-heads'),
     (['--method', 'mla', '--cache-fraction', '0.5'], 'need calibration data'),

@@ -1,0 +1,204 @@
+"""`dha-train convert --method mla --format deepseek`: a LLaMA folder (MHA or GQA) to a folder that transformers'
+own ``DeepseekV3ForCausalLM`` loads with no custom code (dense layers, ``q_lora_rank`` null), the format whose MLA
+kernels serving engines run. The maths is ``ops.deepseek``; here the calibration, the budget, the config and the
+weights of the whole model.
+
+Budget: ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer (what an engine with MLA kernels caches) as
+a fraction of the source's K+V cache. transformers' own ``DeepseekV3Attention`` does not cache the latent: its
+``DynamicCache`` holds every query head's expanded key and value, so the budget holds only where an engine
+implements the latent cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
+
+from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
+from dha_train.config import ConfigError
+from dha_train.model_folders import check_model_folder
+from dha_train.models.llama_layout import attention_modules, head_dim
+from dha_train.ops.deepseek import (
+    LATENT_NORM_EPS,
+    LATENT_NORM_FITS,
+    choose_stride,
+    deepseek_attention_weights,
+    kv_b_weight,
+    latent_norm_fit,
+    pair_key_energy,
+    principal_directions,
+    rope_theta_for_stride,
+    strided_pairs,
+)
+from dha_train.ops.mla import BALANCES
+from dha_train.paths import refuse_nonempty, staged_folder
+
+CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies
+
+
+@dataclass
+class DeepseekSettings:
+    cache_fraction: float  # of the source's K+V cache numbers per token
+    rope_pairs: int | None = None  # pairs of the shared RoPE key (qk_rope_head_dim / 2); default head_dim / 4
+    latent_norm_fit: str = 'regression'  # regression (kv_b regressed on the normed latent) or scalar
+    balance: str = 'energy'
+    data: str | None = None
+    split: str = 'train'
+    tokens: int = 16384
+    sample_tokens: int = 4096  # attention inputs kept per layer for the latent norm fit
+    batch_size: int = 8
+    seed: int = 0
+    device: str = 'cpu'
+
+
+def check_source(config) -> None:
+    """Refuse what the format cannot carry, by name, before any work."""
+    if getattr(config, 'attention_bias', False):
+        raise ConfigError('convert --format deepseek: the source has attention biases; DeepseekV3Attention\'s q_proj '
+                          'and kv_b_proj have none')
+    scaling = getattr(config, 'rope_scaling', None) or {}
+    rope_type = scaling.get('rope_type', scaling.get('type', 'default'))
+    if rope_type not in CARRIED_ROPE_TYPES:
+        raise ConfigError(f"convert --format deepseek: the source's '{rope_type}' RoPE scaling does not carry over to "
+                          f"a shared RoPE key at other frequencies; sources with {', '.join(CARRIED_ROPE_TYPES)} "
+                          'RoPE convert')
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ConfigError('convert --format deepseek: num_attention_heads must be a multiple of num_key_value_heads')
+
+
+def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
+    """(pairs of the shared RoPE key, kv_lora_rank, the source's K+V numbers per token and layer)."""
+    dim, kv_heads = head_dim(config), config.num_key_value_heads
+    pairs = settings.rope_pairs if settings.rope_pairs is not None else max(1, dim // 4)
+    if not 1 <= pairs <= dim // 2:
+        raise ConfigError(f'convert --format deepseek: --rope-pairs must be within 1..{dim // 2} for {dim}-dim heads, '
+                          f'got {pairs}')
+    source = 2 * kv_heads * dim
+    rank = math.floor(settings.cache_fraction * source + 1e-9) - 2 * pairs
+    if rank < 1:
+        raise ConfigError(f'convert --format deepseek: a cache fraction of {settings.cache_fraction} '
+                          f'({math.floor(settings.cache_fraction * source + 1e-9)} numbers per token and layer) leaves '
+                          f'no latent after a {2 * pairs}-dim RoPE key; lower --rope-pairs or raise the fraction')
+    if rank > 2 * kv_heads * dim:
+        raise ConfigError(f'convert --format deepseek: latent rank {rank} exceeds the {2 * kv_heads * dim} key and '
+                          'value dims it factors')
+    return pairs, rank, source
+
+
+def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Config:
+    """The ``DeepseekV3Config`` of the converted model: dense MLPs (``first_k_dense_replace`` = every layer), no
+    query LoRA, the source's norms, vocabulary, positions and RoPE scaling, ``rope_theta`` for the kept stride."""
+    dim = head_dim(config)
+    return DeepseekV3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+        first_k_dense_replace=config.num_hidden_layers, kv_lora_rank=rank, q_lora_rank=None,
+        qk_rope_head_dim=2 * pairs, qk_nope_head_dim=dim, v_head_dim=dim, hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=rope_theta_for_stride(config.rope_theta, dim, pairs, stride), rope_scaling=config.rope_scaling,
+        rope_interleave=True, attention_bias=False, attention_dropout=config.attention_dropout,
+        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        initializer_range=config.initializer_range, torch_dtype='float32')
+
+
+def layer_weights(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
+                  covariance: torch.Tensor | None, balance: str, fit: str | None,
+                  inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One attention's DeepSeek weights (float32). ``fit`` None keeps ``kv_b`` = ``up`` for the latent un-normed
+    (the exact part of the conversion, for tests that replace the latent norm by the identity)."""
+    dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
+    weights = deepseek_attention_weights(attention.q_proj.weight.detach(), attention.k_proj.weight.detach(),
+                                         attention.v_proj.weight.detach(), heads, kv_heads, dim, kept, directions,
+                                         rank, covariance, balance)
+    rows = weights['up']
+    if fit is not None:
+        rows = latent_norm_fit(fit, weights['up'], weights['kv_a_proj_with_mqa.weight'][:rank], weights['targets'],
+                               inputs)
+    return {'q_proj.weight': weights['q_proj.weight'].float(),
+            'kv_a_proj_with_mqa.weight': weights['kv_a_proj_with_mqa.weight'].float(),
+            'kv_a_layernorm.weight': torch.ones(rank),
+            'kv_b_proj.weight': kv_b_weight(rows, heads, kv_heads, dim).float(),
+            'o_proj.weight': attention.o_proj.weight.detach().float()}
+
+
+def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: DeepseekSettings, *,
+                        overwrite: bool = False) -> dict:
+    """Convert and save; returns a report (rank, RoPE key, stride, cache numbers against the source and MHA)."""
+    if not 0 < settings.cache_fraction <= 1:
+        raise ConfigError(f'convert --format deepseek: --cache-fraction must be in (0, 1], got {settings.cache_fraction}')
+    if settings.latent_norm_fit not in LATENT_NORM_FITS:
+        raise ConfigError(f"convert --format deepseek: --latent-norm-fit must be one of {', '.join(LATENT_NORM_FITS)}")
+    if settings.balance not in BALANCES:
+        raise ConfigError(f"convert --format deepseek: --balance must be one of {', '.join(BALANCES)}")
+    if settings.data is None:
+        raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
+                          'latent and its norm fit are taken from the source\'s attention inputs')
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_model_folder(model_dir, who='convert --format deepseek')
+    refuse_nonempty(out_dir, overwrite)
+    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    check_source(config)
+    pairs, rank, source_values = budget(config, settings)
+    model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
+    batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
+                                  batch_size=settings.batch_size, seed=settings.seed, who='convert --format deepseek')
+    try:
+        calibration = calibrate(model, batches, num_tokens=settings.tokens, kinds=('input',),
+                                sample_tokens=min(settings.sample_tokens, settings.tokens), seed=settings.seed)
+    except CalibrationError as exc:
+        raise CalibrationError(f'convert --format deepseek: {exc}') from exc
+    model = model.cpu().float()
+    dim, kv_heads = head_dim(config), config.num_key_value_heads
+    layers = attention_modules(model)
+    covariances, directions, principal, totals = [], [], [], []
+    for index, attention in enumerate(layers):
+        running = calibration.layer(index, 'input').running
+        covariance = (running.gram / running.count).double().cpu()
+        energy = pair_key_energy(attention.k_proj.weight.detach(), covariance, kv_heads, dim)
+        u, top = principal_directions(energy)
+        covariances.append(covariance)
+        directions.append(u)
+        principal.append(top)
+        totals.append(float(energy.diagonal(dim1=1, dim2=2).sum()))
+    stride = choose_stride(principal, totals, dim, pairs)
+    kept = strided_pairs(pairs, stride)
+
+    ds_config = deepseek_config(config, rank, pairs, stride)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if '.self_attn.' not in name:
+            state[name] = tensor
+    for index, attention in enumerate(layers):
+        inputs = calibration.layer(index, 'input').sample.double().cpu()
+        weights = layer_weights(attention, config, kept, directions[index], rank, covariances[index],
+                                settings.balance, settings.latent_norm_fit, inputs)
+        state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
+    del model
+    converted = DeepseekV3ForCausalLM(ds_config)
+    missing, unexpected = converted.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (name == 'lm_head.weight' and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f'deepseek conversion: weights do not match (missing {missing[:4]}, unexpected '
+                           f'{unexpected[:4]})')
+    kept_energy = sum(float(top[kept].sum()) / total for top, total in zip(principal, totals)) / len(totals)
+    cached = config.num_hidden_layers * (rank + 2 * pairs)
+    report = {'kv_lora_rank': rank, 'qk_rope_head_dim': 2 * pairs, 'rope_stride': stride, 'rope_pairs': kept,
+              'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit,
+              'latent_norm_eps': LATENT_NORM_EPS, 'balance': settings.balance,
+              'rope_energy_kept': kept_energy, 'cache_values_per_token': cached,
+              'source_values_per_token': config.num_hidden_layers * source_values,
+              'fraction_of_source': cached / (config.num_hidden_layers * source_values),
+              'fraction_of_mha': cached / (config.num_hidden_layers * 2 * config.num_attention_heads * dim),
+              'calibration_tokens': calibration.tokens}
+    with staged_folder(out_dir, overwrite) as staging:
+        converted.save_pretrained(staging, safe_serialization=True)
+        if (model_dir / 'tokenizer_config.json').is_file():
+            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
+    return report

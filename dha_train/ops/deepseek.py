@@ -1,0 +1,174 @@
+"""MHA/GQA attention in DeepSeek's MLA format (transformers' ``DeepseekV3Attention``): the maths, no modules.
+
+DeepSeek's attention caches, per token, a latent ``c = W_a x`` of ``kv_lora_rank`` numbers and ONE rotated key of
+``qk_rope_head_dim = 2p`` dims shared by every query head. Query head ``h`` scores key ``t`` by
+
+    q_nope_h . (W_b,k_h n_t) + RoPE(q_rope_h) . RoPE(k_rope_t),     n_t = RMSNorm(c_t) (the latent norm),
+
+and reads the value ``W_b,v_h n_t``. A LLaMA source has ``G`` rotated key heads, each query head reading its own.
+
+**A shared RoPE key (RoRoPE).** RoPE turns pair ``i`` (dims ``i`` and ``i + d/2``) of every K/V head by the same
+angle, so mixing the ``G`` heads' pair-``i`` 2-vectors with one real orthogonal ``G x G`` matrix ``R_i`` (the same on
+both components) commutes with RoPE. With ``u_i`` the top eigenvector of ``M_i = sum over both components of
+E[k_i k_i^T]`` (the pair-``i`` key energy across heads, ``A C A^T + B C B^T`` from the input covariance ``C``),
+the key of head ``g`` on pair ``i`` splits exactly into ``u_ig * k'_i`` (the principal rotated head, shared) and the
+residual ``k_gi - u_ig * k'_i``. So for the kept pairs:
+
+- the shared RoPE key is ``k'_i = sum_g u_ig k_gi`` and query head ``h`` (of K/V head ``g``) reads it with the query
+  pair scaled by ``u_ig``: exact under RoPE;
+- the residual joins the position-free key of head ``g`` (its ``d`` dims: the full key on the pairs not kept, the
+  residual on the kept ones), and loses RoPE: the approximation, zero for an MQA source (``G = 1``).
+
+**Frequencies.** The class computes ``theta'^(-2k / 2p)``, ``k < p``, from ``rope_theta``, so the kept pairs must
+be ``0, s, 2s, ..., (p-1)s`` for a stride ``s``, with ``theta' = theta^(2 p s / d)`` (``s = d / 2p`` keeps
+``theta``). ``choose_stride`` picks the stride that keeps the most principal-head energy. ``linear`` and ``llama3``
+RoPE scaling act per frequency and carry over; YaRN and dynamic scaling do not (refused by the conversion).
+
+**Latent.** The position-free keys and the values of all ``G`` heads are factored jointly as in ``ops.mla``
+(activation-aware, balanced), one rank for every layer (the format has one ``kv_lora_rank``).
+
+**Latent norm.** ``n = c / rms(c) * w`` divides each token's latent by its own RMS, which no linear map undoes:
+this is the one approximation the format forces on every source. ``kv_b`` is then either ``up * E[rms(c)]``
+(``scalar``: right on average) or the least-squares regression of the source's position-free keys and values on
+``n`` over calibration tokens (``regression``, a closed-form refit).
+
+**Scale.** The class scales scores by ``(d + 2p)^-0.5``; the queries are multiplied by ``sqrt((d + 2p) / d)`` so the
+scores keep the source's ``d^-0.5``.
+
+Layouts: ``rope_interleave: true`` (DeepSeek's own checkpoints, and what engines assume): the rotated dims are
+stored as ``[a_0, b_0, a_1, b_1, ...]`` (pair ``k``'s two components adjacent); ``kv_b_proj`` has, per query head,
+its ``d`` key rows then its ``d`` value rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dha_train.ops.mla import balance_scales, latent_factors
+
+LATENT_NORM_FITS = ('regression', 'scalar')
+LATENT_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default, not rms_norm_eps
+
+
+def strided_pairs(pairs: int, stride: int) -> list[int]:
+    """The pairs a stride keeps: 0, s, ..., (p-1)s."""
+    return [k * stride for k in range(pairs)]
+
+
+def stride_choices(head_dim: int, pairs: int) -> list[int]:
+    """Strides whose ``pairs`` kept pairs fit in the ``head_dim / 2`` pairs (1 for a single pair)."""
+    half = head_dim // 2
+    if not 1 <= pairs <= half:
+        raise ValueError(f'the shared RoPE key keeps 1..{half} pairs of a {head_dim}-dim head, got {pairs}')
+    return [1] if pairs == 1 else list(range(1, (half - 1) // (pairs - 1) + 1))
+
+
+def rope_theta_for_stride(theta: float, head_dim: int, pairs: int, stride: int) -> float:
+    """The ``rope_theta`` whose ``2 * pairs``-dim RoPE turns at the source's frequencies of the strided pairs."""
+    return float(theta) ** (2 * pairs * stride / head_dim)
+
+
+def pair_key_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
+                    head_dim: int) -> torch.Tensor:
+    """(pairs, G, G) float64: ``M_i``, the pair-``i`` key energy across the K/V heads, both components summed."""
+    half = head_dim // 2
+    rows = k_weight.double().reshape(kv_heads, 2, half, -1)  # (G, [first, second half], pair, hidden)
+    rows = rows.permute(2, 1, 0, 3)  # (pair, component, G, hidden)
+    if covariance is None:
+        return torch.einsum('pcgh,pckh->pgk', rows, rows)
+    return torch.einsum('pcgh,hj,pckj->pgk', rows, covariance.double(), rows)
+
+
+def principal_directions(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u (pairs, G) unit, sign fixed so the largest entry is positive; the energy it carries (pairs,)) from
+    ``pair_key_energy``."""
+    values, vectors = torch.linalg.eigh((energy + energy.transpose(1, 2)) / 2)
+    top = vectors[:, :, -1]
+    sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))
+    return top * sign, values[:, -1].clamp_min(0.0)
+
+
+def choose_stride(principal_energies: list[torch.Tensor], totals: list[float], head_dim: int, pairs: int) -> int:
+    """The stride whose kept pairs hold the most principal-head energy, summed over layers as each layer's share
+    of its total key energy (layers of different scale count alike)."""
+    def kept(stride: int) -> float:
+        index = strided_pairs(pairs, stride)
+        return sum(float(energy[index].sum()) / total for energy, total in zip(principal_energies, totals) if total > 0)
+    return max(stride_choices(head_dim, pairs), key=kept)
+
+
+def _interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Rows ``[first_0, second_0, first_1, second_1, ...]`` (DeepSeek's interleaved RoPE layout)."""
+    return torch.stack([first, second], dim=1).reshape(-1, first.shape[-1])
+
+
+def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
+                               num_heads: int, kv_heads: int, head_dim: int, kept: list[int],
+                               directions: torch.Tensor, rank: int, covariance: torch.Tensor | None = None,
+                               balance: str = 'energy') -> dict[str, torch.Tensor]:
+    """One layer in float64: ``q_proj`` (H * (d + 2p) rows: per head its d position-free then 2p interleaved
+    rotated rows, scaled for the class's ``(d + 2p)^-0.5``), ``kv_a_proj_with_mqa`` (the latent's ``rank`` rows,
+    then the shared rotated key's 2p interleaved rows), ``up`` (per K/V head its d position-free key rows, then per
+    K/V head its d value rows; x rank: ``kv_b_proj`` before the latent norm, see ``kv_b_weight``) and ``targets``
+    (the same rows as maps of the input, un-factored: what ``up @ latent`` approximates)."""
+    half = head_dim // 2
+    group = num_heads // kv_heads
+    keys = k_weight.double().reshape(kv_heads, head_dim, -1)
+    queries = q_weight.double().reshape(num_heads, head_dim, -1)
+    u = directions.double()[kept]  # (p, G)
+    index = torch.tensor(kept, dtype=torch.long)
+    shared_first = torch.einsum('pg,gph->ph', u, keys[:, index])              # (p, hidden)
+    shared_second = torch.einsum('pg,gph->ph', u, keys[:, index + half])
+    nope_keys = keys.clone()
+    nope_keys[:, index] -= u.T[:, :, None] * shared_first[None]                # the residual of each kept pair
+    nope_keys[:, index + half] -= u.T[:, :, None] * shared_second[None]
+    targets = torch.cat([nope_keys.reshape(kv_heads * head_dim, -1), v_weight.double()])
+    scales = None
+    if balance != 'none':
+        scales = balance_scales(targets[:kv_heads * head_dim], targets[kv_heads * head_dim:], covariance, balance)
+    up, down = latent_factors(targets, rank, covariance, scales)
+
+    kv_of_query = torch.arange(num_heads) // group
+    query_scale = u.T[kv_of_query]                                              # (H, p): u_ig of each query head
+    rope_queries = torch.stack([_interleave(queries[h, index] * query_scale[h, :, None],
+                                            queries[h, index + half] * query_scale[h, :, None])
+                                for h in range(num_heads)])                    # (H, 2p, hidden)
+    rope_dim = 2 * len(kept)
+    score_scale = math.sqrt((head_dim + rope_dim) / head_dim)
+    q_proj = torch.cat([queries, rope_queries], dim=1).reshape(num_heads * (head_dim + rope_dim), -1) * score_scale
+    kv_a = torch.cat([down, _interleave(shared_first, shared_second)])
+    return {'q_proj.weight': q_proj, 'kv_a_proj_with_mqa.weight': kv_a, 'up': up, 'targets': targets}
+
+
+def rms_normed(latent: torch.Tensor, eps: float = LATENT_NORM_EPS) -> torch.Tensor:
+    """``c / sqrt(mean(c^2) + eps)`` per token (row): the latent norm with weight 1."""
+    return latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def latent_norm_fit(fit: str, up: torch.Tensor, down: torch.Tensor, targets: torch.Tensor,
+                    inputs: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """The rows ``kv_b`` maps the normed latent with (one per row of ``up``, x rank), from sampled attention inputs
+    (tokens, hidden): ``scalar``: ``up * mean_t rms(c_t)``; ``regression``: ``argmin sum_t ||targets x_t - B n_t||^2``
+    (ridge relative to the mean eigenvalue, for rank-deficient samples)."""
+    if fit not in LATENT_NORM_FITS:
+        raise ValueError(f'latent norm fit must be one of {", ".join(LATENT_NORM_FITS)}, got {fit!r}')
+    latent = inputs.double() @ down.double().T                                  # (tokens, rank)
+    if fit == 'scalar':
+        rms = latent.pow(2).mean(-1).add(LATENT_NORM_EPS).sqrt().mean()
+        return up.double() * rms
+    normed = rms_normed(latent)
+    gram = normed.T @ normed
+    gram = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+    cross = (inputs.double() @ targets.double().T).T @ normed                    # (rows, rank)
+    return torch.linalg.solve(gram, cross.T).T
+
+
+def kv_b_weight(rows: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``kv_b_proj.weight`` (H * 2d, rank) from per-K/V-head rows (``up`` layout: G key blocks then G value blocks):
+    each query head gets its K/V head's key rows then value rows."""
+    keys = rows[:kv_heads * head_dim].reshape(kv_heads, head_dim, -1)
+    values = rows[kv_heads * head_dim:].reshape(kv_heads, head_dim, -1)
+    kv_of_query = torch.arange(num_heads) // (num_heads // kv_heads)
+    return torch.cat([keys[kv_of_query], values[kv_of_query]], dim=1).reshape(num_heads * 2 * head_dim, -1)

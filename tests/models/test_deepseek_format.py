@@ -1,0 +1,114 @@
+"""The DeepSeek-format MLA conversion (``ops.deepseek``, ``conversion.deepseek``) in transformers' own
+``DeepseekV3ForCausalLM``: with the latent norm set aside (the one approximation the format forces), it is the
+source exactly where the maths says so:
+
+- an MQA source with every RoPE pair in the shared key and the full latent: at every position;
+- a GQA source with some pairs kept: at position 0, where RoPE turns nothing (elsewhere the residual keys lose RoPE);
+- and the kept frequencies are the source's for every stride (``rope_theta`` chosen per stride)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from dha_train.conversion.deepseek import deepseek_config, layer_weights
+from dha_train.ops.deepseek import pair_key_energy, principal_directions, strided_pairs
+
+HEADS, HEAD_DIM, LAYERS = 4, 8, 2
+
+
+def _source(kv_heads: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=HEADS * HEAD_DIM, intermediate_size=48, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
+                         max_position_embeddings=128, rope_theta=100.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger than the init, so attention patterns (and RoPE) matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def _deepseek(source: LlamaForCausalLM, pairs: int, stride: int, rank: int) -> DeepseekV3ForCausalLM:
+    """The source in the DeepSeek class, the latent norm replaced by the identity (kv_b is the un-normed up)."""
+    config = source.config
+    kept = strided_pairs(pairs, stride)
+    model = DeepseekV3ForCausalLM(deepseek_config(config, rank, pairs, stride)).eval()
+    model.config._attn_implementation = 'eager'
+    state = {name: tensor for name, tensor in source.state_dict().items() if '.self_attn.' not in name}
+    for index, layer in enumerate(source.model.layers):
+        energy = pair_key_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, HEAD_DIM)
+        directions, _ = principal_directions(energy)
+        weights = layer_weights(layer.self_attn, config, kept, directions, rank, None, 'none', None, None)
+        state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    for layer in model.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    return model
+
+
+def _ids(batch: int = 2, length: int = 20) -> torch.Tensor:
+    return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(3))
+
+
+def test_an_mqa_source_with_every_pair_in_the_shared_key_is_the_source_at_every_position():
+    source = _source(kv_heads=1)
+    model = _deepseek(source, pairs=HEAD_DIM // 2, stride=1, rank=2 * HEAD_DIM)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, source(_ids()).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize('pairs, stride', [(1, 1), (2, 1), (2, 2), (2, 3)])
+def test_an_mqa_source_keeps_the_strided_frequencies_exactly(pairs, stride):
+    """Every pair not kept is position-free in both: the source with those frequencies set to 0 is the target."""
+    source = _source(kv_heads=1)
+    model = _deepseek(source, pairs=pairs, stride=stride, rank=2 * HEAD_DIM)
+    rope_off = _source(kv_heads=1)
+    keep = torch.zeros(HEAD_DIM // 2, dtype=torch.bool)
+    keep[strided_pairs(pairs, stride)] = True
+    rope_off.model.rotary_emb.inv_freq[~keep] = 0.0
+    with torch.no_grad():
+        assert not torch.allclose(model(_ids()).logits, source(_ids()).logits, atol=1e-3)
+        torch.testing.assert_close(model(_ids()).logits, rope_off(_ids()).logits, rtol=0, atol=1e-4)
+
+
+def test_a_gqa_source_is_the_source_at_position_zero_and_only_the_residual_keys_lose_rope():
+    source = _source(kv_heads=2)
+    model = _deepseek(source, pairs=2, stride=2, rank=4 * HEAD_DIM)
+    ids = _ids()
+    zeros = torch.zeros_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, position_ids=zeros).logits, source(ids, position_ids=zeros).logits,
+                                   rtol=0, atol=1e-4)
+        assert not torch.allclose(model(ids).logits, source(ids).logits, atol=1e-3)  # the residual lost RoPE
+
+
+def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
+    """Attention inputs as a LLaMA makes them (RMS-normed hidden states times the norm's weight, so their latents
+    differ in size by direction): the regression of the keys and values on the normed latent reconstructs new tokens
+    better than scaling by the mean RMS, and neither reaches the un-normed latent (the norm drops each token's size,
+    which no linear map brings back)."""
+    from dha_train.ops.deepseek import latent_norm_fit, rms_normed
+    from dha_train.ops.mla import latent_factors
+    generator = torch.Generator().manual_seed(11)
+    hidden, rows, rank = 24, 32, 10
+    targets = torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
+
+    weight = torch.linspace(0.2, 2.0, hidden, dtype=torch.float64)
+
+    def tokens(count):
+        states = torch.randn(count, hidden, dtype=torch.float64, generator=generator) + 0.7
+        return rms_normed(states) * weight
+    fit_on, held_out = tokens(4000), tokens(4000)
+    up, down = latent_factors(targets, rank, fit_on.T @ fit_on / fit_on.shape[0])
+
+    def error(rows_of_normed):
+        predicted = rms_normed(held_out @ down.T) @ rows_of_normed.T
+        return float((held_out @ targets.T - predicted).pow(2).mean())
+    regression = error(latent_norm_fit('regression', up, down, targets, fit_on))
+    scalar = error(latent_norm_fit('scalar', up, down, targets, fit_on))
+    floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())  # no norm at all
+    assert floor < regression < scalar
