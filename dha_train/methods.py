@@ -195,3 +195,14 @@ def _mla_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
 
 register(Method('mla', 'MLA: partial RoPE + joint K/V latent (`dha-train convert --method mla`), served by the MLA '
                 'model', model_type='mla_llama', kv_cache_bytes=_mla_kv_cache_bytes))
+
+
+def _deepseek_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
+    """DeepSeek's MLA caches each layer's latent plus one shared rotated key (in an engine that caches the latent;
+    transformers' own class caches the expanded keys and values)."""
+    return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * seq_len * bytes_per_value
+
+
+register(Method('mla_deepseek', 'MLA in DeepSeek\'s format (`dha-train convert --method mla --format deepseek`): a '
+                'shared RoPE key and a normed latent, served by transformers\' own DeepseekV3ForCausalLM',
+                model_type='deepseek_v3', kv_cache_bytes=_deepseek_kv_cache_bytes))

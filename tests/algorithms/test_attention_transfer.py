@@ -90,3 +90,36 @@ def test_activation_checkpointing_gives_the_same_layer_losses_and_gradients(tmp_
     assert plain_grads.keys() == checkpointed_grads.keys() and plain_grads
     for name, grad in plain_grads.items():
         torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_deepseek_format_student_is_taught_by_the_source_at_the_sources_own_positions(tmp_path, tokenizer_dir):
+    """DeepSeek's layers pass position embeddings of their shared RoPE key (other width, other frequencies); the
+    source attention must run with its own, or the teacher-forced stream would not be the source's."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from dha_train.conversion.deepseek import deepseek_config, layer_weights
+    from dha_train.ops.deepseek import pair_key_energy, principal_directions, strided_pairs
+
+    save_tiny_llama(tmp_path / 'source', tokenizer_dir, seed=11)
+    source = AutoModelForCausalLM.from_pretrained(tmp_path / 'source').eval()
+    config = source.config
+    dim = config.hidden_size // config.num_attention_heads
+    student = DeepseekV3ForCausalLM(deepseek_config(config, rank=dim, pairs=1, stride=1)).eval()
+    state = {name: tensor for name, tensor in source.state_dict().items() if '.self_attn.' not in name}
+    for index, layer in enumerate(source.model.layers):
+        energy = pair_key_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, dim)
+        weights = layer_weights(layer.self_attn, config, strided_pairs(1, 1), principal_directions(energy)[0], dim,
+                                None, 'none', None, None)
+        state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
+    student.load_state_dict(state, strict=False)
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        source_logits = source(ids).logits
+        assert not torch.allclose(student(ids).logits, source_logits, atol=1e-3)
+    AttentionTransfer(str(tmp_path / 'source'))._install(SimpleNamespace(model=student))
+    logits = student(ids).logits
+    torch.testing.assert_close(logits, source_logits, rtol=0, atol=1e-5)
+    errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in student.model.layers])
+    assert bool(torch.isfinite(errors).all()) and float(errors.min()) > 0
+    errors.mean().backward()
+    assert all(parameter.grad is not None for name, parameter in student.named_parameters() if 'self_attn.kv_b' in name)
