@@ -22,8 +22,10 @@ from pathlib import Path
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
 
-# LLaMA and this project's variants (DHA/AsymGQA, MoH, MLA); a fused-checkpoint `dha_llama` is a DHA model too.
-LLAMA_MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama')
+# The model types the project reads: the plain LLaMA, its own classes (DHA/AsymGQA, MoH, MLA; a fused-checkpoint
+# `dha_llama` is a DHA model too) and transformers' DeepseekV3 (MLA in DeepSeek's format). Commands that need a plain
+# LLaMA source check that themselves.
+LLAMA_MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama', 'deepseek_v3')
 _SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
 _INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
 

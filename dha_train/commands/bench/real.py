@@ -27,6 +27,10 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
   whose tokens count as training tokens;
 - MLA: ``convert --method mla`` at the budget's cache bytes (4 of 32 RoPE pairs per K/V head kept, pairs by the
   calibrated 2-norm criterion, activation-aware joint K/V latent, ranks from the spectra), then CT;
+- MLA in DeepSeek's format (``convert --method mla --format deepseek``: transformers' own ``DeepseekV3ForCausalLM``)
+  at the budget's cache bytes, a 32-dim shared RoPE key: at 0 tokens with the latent norm met by the mean RMS,
+  then its refit (``kv_b_proj`` regressed on the normed latent over ``refit_tokens`` calibration tokens), then the
+  healing chain's attention transfer and KL; no CT row;
 - MoH at 7 of 9 active heads (4 shared + top 3 of 5 routed, 77.8%: 75% of 9 is not whole, 7/9 is the nearest),
   query-norm router: the surgery (0 tokens, the same weights under the MoH class), then continue-tuning
   (``yamls/real/moh.yaml``). MoH keeps every K/V head: its KV bytes are the source's.
@@ -72,6 +76,7 @@ from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.commands.evaluate import run_eval
 from dha_train.config import ConfigError
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
+from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
 from dha_train.conversion.refit import RefitSettings, refit_folder
@@ -85,7 +90,7 @@ from dha_train.paths import recipe_path
 from dha_train.stages import Stage, train_stage, train_tokens
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
-METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla', 'moh')
+METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla', 'mla_deepseek', 'moh')
 BUDGETS = ('kv1', 'kv2')
 SOURCE = 'smollm2-135m'
 HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
@@ -380,22 +385,23 @@ class _Bench:
 
     # --- healing: refit, attention transfer, KL ----------------------------------------------------------------
     def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
-             **extra) -> None:
-        """The healing rows of one 0-token conversion: refit (0 training tokens), then attention transfer and KL
-        distillation, which together train on as many tokens as the method's CT row."""
+             refit=None, **extra) -> None:
+        """The healing rows of one 0-token conversion: refit (0 training tokens; ``refit`` builds it where
+        ``dha-train refit`` does not apply), then attention transfer and KL distillation, which together train on
+        as many tokens as the method's CT row."""
         if not self.settings.heal:
             return
         s = self.settings
         transfer_batches = max(1, round(self.batches * s.transfer_fraction))
         kl_batches = max(1, self.batches - transfer_batches)
 
-        def refit(out: Path) -> dict:
+        def refit_by_command(out: Path) -> dict:
             report = refit_folder(self.source, converted, out / 'hf', RefitSettings(
                 data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device), overwrite=True)
             return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
                     **{key: value for key, value in report.items() if key.startswith('mean_')}}
 
-        refitted = self.stage(self.runs, f'{name}-refit', refit)
+        refitted = self.stage(self.runs, f'{name}-refit', refit or refit_by_command)
         seconds += refitted['seconds']
         self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
                       stage_s=refitted['seconds'], **extra)
@@ -650,6 +656,31 @@ class _Bench:
         trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
+
+    def mla_deepseek(self, budget: str) -> None:
+        """MLA in DeepSeek's format at the budget's cache bytes: 0 tokens with the mean-RMS latent norm fit, the
+        regression fit as its refit, then attention transfer and KL (``heal``)."""
+        s = self.settings
+        name = f'mla-deepseek-{budget}'
+        fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
+
+        def converter(fit: str, tokens: int):
+            def convert(out: Path) -> dict:
+                report = convert_to_deepseek(self.source, out / 'hf', DeepseekSettings(
+                    cache_fraction=fraction, latent_norm_fit=fit, data=str(self.train_data), tokens=tokens,
+                    batch_size=min(8, s.batch), seed=s.seed, device=s.device), overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'calibration_tokens': report['calibration_tokens'],
+                        **{key: report[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'rope_stride',
+                                                        'rope_energy_kept')}}
+            return convert
+
+        converted = self.stage(self.runs, f'{name}-convert', converter('scalar', s.calib_tokens))
+        extra = {key: converted[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'rope_stride',
+                                                  'rope_energy_kept')}
+        self.evaluate(f'MLA-DeepSeek {budget} @0', 'mla_deepseek', budget, converted['hf_folder'], 0,
+                      converted['seconds'], **extra)
+        self.heal(name, f'MLA-DeepSeek {budget}', 'mla_deepseek', budget, converted['hf_folder'],
+                  converted['seconds'], refit=converter('regression', s.refit_tokens), **extra)
 
     def moh(self) -> None:
         s = self.settings
