@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default='regression',
                      help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
                           'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
+    mla.add_argument('--no-latent-pin', dest='latent_pin', action='store_false',
+                     help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
+                          'one latent channel that holds the latent\'s RMS near-constant)')
     mla.add_argument('--balance', choices=BALANCES, default=defaults.balance,
                      help='scale the keys against the values before the joint factorisation: energy (equal total '
                           'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
@@ -114,12 +117,14 @@ def run_deepseek(args: argparse.Namespace) -> int:
         raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
                           'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
     settings = DeepseekSettings(cache_fraction=args.cache_fraction, rope_pairs=args.rope_pairs,
-                                latent_norm_fit=args.latent_norm_fit, balance=args.balance, data=args.data,
+                                latent_norm_fit=args.latent_norm_fit, pin=args.latent_pin, balance=args.balance,
+                                data=args.data,
                                 tokens=args.tokens, batch_size=args.batch_size, seed=args.seed, device=args.device)
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '
-          f'{report["rope_pairs"]} ({report["rope_energy_kept"]:.1%} of the key energy kept rotated), '
+          f'{report["rope_pairs"]} ({report["rope_energy_kept"]:.1%} of the key energy kept rotated), a pin channel '
+          f'in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers, '
           f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
           f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')
     return 0

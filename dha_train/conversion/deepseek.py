@@ -29,6 +29,7 @@ from dha_train.ops.deepseek import (
     deepseek_attention_weights,
     kv_b_weight,
     latent_norm_fit,
+    normed_latent_error,
     pair_key_energy,
     principal_directions,
     rope_theta_for_stride,
@@ -45,6 +46,7 @@ class DeepseekSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
     rope_pairs: int | None = None  # pairs of the shared RoPE key (qk_rope_head_dim / 2); default head_dim / 4
     latent_norm_fit: str = 'regression'  # regression (kv_b regressed on the normed latent) or scalar
+    pin: bool = True  # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error
     balance: str = 'energy'
     data: str | None = None
     split: str = 'train'
@@ -108,19 +110,42 @@ def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Con
         initializer_range=config.initializer_range, torch_dtype='float32')
 
 
-def layer_weights(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
-                  covariance: torch.Tensor | None, balance: str, fit: str | None,
-                  inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """One attention's DeepSeek weights (float32). ``fit`` None keeps ``kv_b`` = ``up`` for the latent un-normed
-    (the exact part of the conversion, for tests that replace the latent norm by the identity)."""
+def _fitted(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
+            covariance: torch.Tensor | None, balance: str, fit: str | None, inputs: torch.Tensor | None,
+            pin: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(``ops.deepseek.deepseek_attention_weights``, the rows ``kv_b`` maps the normed latent with) in float64."""
     dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
     weights = deepseek_attention_weights(attention.q_proj.weight.detach(), attention.k_proj.weight.detach(),
                                          attention.v_proj.weight.detach(), heads, kv_heads, dim, kept, directions,
-                                         rank, covariance, balance)
-    rows = weights['up']
-    if fit is not None:
-        rows = latent_norm_fit(fit, weights['up'], weights['kv_a_proj_with_mqa.weight'][:rank], weights['targets'],
-                               inputs)
+                                         rank, covariance, balance, inputs if pin else None)
+    if fit is None:
+        return weights, weights['up']
+    return weights, latent_norm_fit(fit, weights['up'], weights['kv_a_proj_with_mqa.weight'][:rank],
+                                    weights['targets'], inputs)
+
+
+def pin_helps(attention, config, kept: list[int], directions: torch.Tensor, rank: int, covariance: torch.Tensor,
+              balance: str, fit: str, inputs: torch.Tensor) -> tuple[bool, dict[bool, float]]:
+    """Whether a pin channel lowers the layer's key and value error through the latent norm on tokens it was not
+    fitted on (fitted on one half of ``inputs``, measured on the other); and both errors (relative)."""
+    half = inputs.shape[0] // 2
+    fitted_on, held_out = inputs[:half].double(), inputs[half:].double()
+    errors = {}
+    for pin in (False, True):
+        weights, rows = _fitted(attention, config, kept, directions, rank, covariance, balance, fit, fitted_on, pin)
+        errors[pin] = normed_latent_error(weights['targets'], weights['kv_a_proj_with_mqa.weight'][:rank], rows,
+                                          held_out)
+    return errors[True] < errors[False], errors
+
+
+def layer_weights(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
+                  covariance: torch.Tensor | None, balance: str, fit: str | None,
+                  inputs: torch.Tensor | None, pin: bool = False) -> dict[str, torch.Tensor]:
+    """One attention's DeepSeek weights (float32). ``fit`` None keeps ``kv_b`` = ``up`` for the latent un-normed
+    (the exact part of the conversion, for tests that replace the latent norm by the identity). ``pin`` adds the
+    pin channel, its direction from ``inputs`` (sampled attention inputs)."""
+    dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
+    weights, rows = _fitted(attention, config, kept, directions, rank, covariance, balance, fit, inputs, pin)
     return {'q_proj.weight': weights['q_proj.weight'].float(),
             'kv_a_proj_with_mqa.weight': weights['kv_a_proj_with_mqa.weight'].float(),
             'kv_a_layernorm.weight': torch.ones(rank),
@@ -175,10 +200,18 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     for name, tensor in model.state_dict().items():
         if '.self_attn.' not in name:
             state[name] = tensor
+    pinned, pin_errors = [], []
     for index, attention in enumerate(layers):
         inputs = calibration.layer(index, 'input').sample.double().cpu()
+        pin = False
+        if settings.pin:
+            pin, errors = pin_helps(attention, config, kept, directions[index], rank, covariances[index],
+                                    settings.balance, settings.latent_norm_fit, inputs)
+            pin_errors.append({'unpinned': errors[False], 'pinned': errors[True]})
+        if pin:
+            pinned.append(index)
         weights = layer_weights(attention, config, kept, directions[index], rank, covariances[index],
-                                settings.balance, settings.latent_norm_fit, inputs)
+                                settings.balance, settings.latent_norm_fit, inputs, pin)
         state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
     del model
     converted = DeepseekV3ForCausalLM(ds_config)
@@ -190,7 +223,8 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     kept_energy = sum(float(top[kept].sum()) / total for top, total in zip(principal, totals)) / len(totals)
     cached = config.num_hidden_layers * (rank + 2 * pairs)
     report = {'kv_lora_rank': rank, 'qk_rope_head_dim': 2 * pairs, 'rope_stride': stride, 'rope_pairs': kept,
-              'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit,
+              'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit, 'pinned_layers': pinned,
+              'layer_pin_errors': pin_errors,
               'latent_norm_eps': LATENT_NORM_EPS, 'balance': settings.balance,
               'rope_energy_kept': kept_energy, 'cache_values_per_token': cached,
               'source_values_per_token': config.num_hidden_layers * source_values,

@@ -112,3 +112,37 @@ def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
     scalar = error(latent_norm_fit('scalar', up, down, targets, fit_on))
     floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())  # no norm at all
     assert floor < regression < scalar
+
+
+def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_normed_latent():
+    """Attention inputs with a mean (as a LLaMA's normed hidden states have): the pin channel makes the latent's RMS
+    near-constant over new tokens, and the error the norm adds to the keys and values, over the un-normed latent's,
+    falls well below the unpinned regression's."""
+    from dha_train.ops.deepseek import deepseek_attention_weights, latent_norm_fit, normed_latent_error, rms_normed
+    generator = torch.Generator().manual_seed(12)
+    heads, kv_heads, dim, hidden, rank = 4, 2, 8, 32, 24
+    offset = torch.randn(hidden, dtype=torch.float64, generator=generator) * 3.0
+
+    def tokens(count):
+        states = torch.randn(count, hidden, dtype=torch.float64, generator=generator) + offset
+        return rms_normed(states)
+    fit_on, held_out = tokens(4000), tokens(4000)
+    covariance = fit_on.T @ fit_on / fit_on.shape[0]
+    weights = {name: torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
+               for name, rows in (('q', heads * dim), ('k', kv_heads * dim), ('v', kv_heads * dim))}
+    directions, _ = principal_directions(pair_key_energy(weights['k'], covariance, kv_heads, dim))
+    errors, spreads, floors = {}, {}, {}
+    for pin in (False, True):
+        layer = deepseek_attention_weights(weights['q'], weights['k'], weights['v'], heads, kv_heads, dim, [0, 2],
+                                           directions, rank, covariance, 'energy', fit_on if pin else None)
+        down = layer['kv_a_proj_with_mqa.weight'][:rank]
+        rows = latent_norm_fit('regression', layer['up'], down, layer['targets'], fit_on)
+        errors[pin] = normed_latent_error(layer['targets'], down, rows, held_out)
+        latent = held_out @ down.T
+        rms = latent.pow(2).mean(-1).sqrt()
+        spreads[pin] = float(rms.std() / rms.mean())
+        truth = held_out @ layer['targets'].T
+        floors[pin] = float((latent @ layer['up'].T - truth).pow(2).sum() / truth.pow(2).sum())
+    assert spreads[True] < 0.3 * spreads[False]
+    # what the norm adds to the latent's own (rank) error: cut by more than 5x
+    assert errors[True] - floors[True] < 0.2 * (errors[False] - floors[False])
