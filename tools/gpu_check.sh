@@ -7,7 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 if ls .whl/wheels/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-deps .whl/wheels/*.whl
+  # Into a folder of their own, first on the path: the image's transformers 5.x and tokenizers stay installed.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/wheels/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 source_args=()
 if ls .whl/gguf/smollm2-135m.gguf.part* >/dev/null 2>&1; then
@@ -15,4 +18,4 @@ if ls .whl/gguf/smollm2-135m.gguf.part* >/dev/null 2>&1; then
   source_args=(--source .whl/smollm2-135m.gguf)
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python tools/gpu_check.py --out "$OUT" "${source_args[@]}" "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 tools/gpu_check.py --out "$OUT" "${source_args[@]}" "$@"

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dha_train.cli import main
 from dha_train.commands.bench.decode import ROWS, DecodeSettings, build_models, cache_numbers_per_token, dha_head_map
 
 
+@pytest.mark.slow
 def test_every_row_is_measured_and_holds_the_cache_it_claims(tmp_path, capsys):
     assert main(['bench', 'decode', '--batch-sizes', '1', '2', '--seq-lens', '32', '--heads', '8', '--head-dim', '8',
                  '--kv-heads', '2', '--rope-pairs', '1', '--calls', '2', '--decode-tokens', '2', '--repeats', '1',
