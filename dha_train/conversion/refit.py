@@ -33,6 +33,7 @@ from dha_train.calibration import calibrate, calibration_batches, load_source_mo
 from dha_train.config import ConfigError
 from dha_train.errors import DhaTrainError
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
@@ -263,6 +264,8 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
     with staged_folder(out_dir, overwrite) as staging:
         converted_model.to('cpu', dtype=saved_dtype)
         converted_model.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method=None, source=source_dir, start=converted_dir, stage=card_stage(
+            'refit: closed form, from calibration statistics', calibration_tokens=settings.tokens))
         for extra in (HEAD_MAP_FILE, 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
                       'tokenizer.model', 'generation_config.json'):
             if (converted_dir / extra).is_file() and not (staging / extra).is_file():

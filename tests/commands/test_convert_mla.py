@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from dha_train.cli import main
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_card import read_model_card
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
 
@@ -85,6 +86,9 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
         assert config.q_lora_rank is None and config.first_k_dense_replace == LAYERS and config.rope_interleave
         assert config.kv_lora_rank + config.qk_rope_head_dim == (2 * KV_HEADS * HEAD_DIM) // 3  # 32 per layer
         assert f'{LAYERS * (2 * KV_HEADS * HEAD_DIM // 3)} cache numbers per token' in printed
+        header = read_model_card(out)[0]['dha_train']
+        assert header['method'] == 'mla_deepseek' and header['kv_bytes_per_4096_tokens_bf16'] == kv_cache_bytes(
+            config, 4096, 2) == LAYERS * (2 * KV_HEADS * HEAD_DIM // 3) * 4096 * 2
         prompt = ids[:1, :6]
         with torch.no_grad():
             generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)

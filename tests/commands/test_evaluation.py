@@ -211,3 +211,20 @@ def test_lm_eval_at_end_of_a_training_stage_logs_the_scores(local_task, data_roo
 
     with pytest.raises(ConfigError, match='callbacks.lm_eval_at_end: give exactly one of a suite'):
         registry.callbacks.build('lm_eval_at_end', {})  # refused when the trainer is built, before training
+
+
+def test_eval_adds_its_scores_to_the_card_of_a_folder_the_project_wrote(models, evaluated):
+    """The DHA folder (written by `convert`) gets model-index entries equal to the scores and the held-out loss;
+    the MHA folder, written by someone else, is left without a card."""
+    from dha_train.model_card import read_model_card
+    _, results = evaluated
+    header, _ = read_model_card(models['dha'])
+    index = header['model-index'][0]
+    assert index['name'] == 'dha'
+    by_task = {entry['dataset']['name']: {m['type']: m['value'] for m in entry['metrics']}
+               for entry in index['results']}
+    assert by_task[LOCAL_TASK]['acc'] == pytest.approx(results['dha']['scores'][LOCAL_TASK]['acc'])
+    loss_entry = next(metrics for name, metrics in by_task.items() if name.startswith('held-out loss'))
+    assert loss_entry['loss'] == pytest.approx(results['dha']['val_loss'])
+    assert header['dha_train']['method'] == 'mean_pool'  # the rest of the card is kept
+    assert not (models['mha'] / 'README.md').exists()

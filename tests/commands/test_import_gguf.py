@@ -133,6 +133,15 @@ def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported,
     assert provenance['quantization'] == 'Q4_1' and provenance['tensor_types']['Q4_1'] > 200
     assert provenance['tokenizer_corrected']['eos_token'] == {'was': '<|im_start|>', 'now': '<|im_end|>'}
 
+    # The model card: what it is a quantisation of, the licence, one import stage, the KV bytes of the folder.
+    from dha_train.methods import kv_cache_bytes
+    from dha_train.model_card import read_model_card
+    header, body = read_model_card(imported)
+    assert header['base_model'] == 'HuggingFaceTB/SmolLM2-135M-Instruct' and header['license'] == 'apache-2.0'
+    assert header['dha_train']['kv_bytes_per_4096_tokens_bf16'] == kv_cache_bytes(config, 4096, 2)
+    assert [stage['tokens'] for stage in header['dha_train']['stages']] == [0]
+    assert f"from_pretrained('{imported.name}')" in body
+
 
 @needs_smollm2
 @pytest.mark.slow

@@ -1,0 +1,78 @@
+"""The model card every folder the project writes carries (``dha_train.model_card``), parsed back and checked
+field by field against the model in the folder: convert (mean-pool, MLA, DeepSeek format), refit (the chain of
+stages), and the licence carried from the source's card. Export, import-gguf and eval are checked in their own
+tests (test_single_process, test_import_gguf, test_evaluation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
+from dha_train.conversion.refit import RefitSettings, refit_folder
+from dha_train.methods import kv_cache_bytes
+from dha_train.model_card import read_model_card
+from dha_train.models.head_map import HeadMap
+
+
+@pytest.fixture(scope='module')
+def source(tmp_path_factory, tokenizer_dir):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=256)
+    path = tmp_path_factory.mktemp('card') / 'tiny-mha'
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    (path / 'README.md').write_text('---\nlicense: apache-2.0\nbase_model: example/tiny-mha\n---\n# tiny\n')
+    return path
+
+
+def _check_against_the_folder(folder, header):
+    config = AutoConfig.from_pretrained(folder)
+    block = header['dha_train']
+    assert header['library_name'] == 'transformers' and header['pipeline_tag'] == 'text-generation'
+    assert block['model_type'] == config.model_type and config.model_type in header['tags']
+    assert block['kv_bytes_per_4096_tokens_bf16'] == kv_cache_bytes(config, 4096, 2)
+    mha = config.num_hidden_layers * 2 * config.num_attention_heads * 16 * 4096 * 2
+    assert block['fraction_of_mha_kv'] == pytest.approx(block['kv_bytes_per_4096_tokens_bf16'] / mha)
+    return block
+
+
+def test_a_mean_pool_conversion_card_states_the_budget_the_source_and_how_to_load_it(source, tmp_path):
+    out = convert_checkpoint(source, tmp_path / 'gqa', HeadMap.gqa(2, 4, 1, 16))
+    header, body = read_model_card(out)
+    block = _check_against_the_folder(out, header)
+    assert header['base_model'] == 'example/tiny-mha' and header['license'] == 'apache-2.0'
+    assert block['method'] == 'mean_pool' and 'mean_pool' in header['tags']
+    assert block['fraction_of_source_kv'] == pytest.approx(0.25)  # 1 of 4 K/V heads
+    assert 'K heads per layer 1' in block['attention']
+    assert [stage['tokens'] for stage in block['stages']] == [0]
+    assert "transformers' own class" in body and 'trust_remote_code' not in body  # standard GQA: a plain LLaMA
+    assert "from_pretrained('gqa')" in body
+    assert 'Tested with transformers' in body
+
+
+def test_a_refit_card_continues_the_conversions_stages(source, tmp_path, data_root):
+    converted = convert_checkpoint(source, tmp_path / 'gqa', HeadMap.gqa(2, 4, 2, 16))
+    refit_folder(source, converted, tmp_path / 'refit', RefitSettings(data=str(data_root), tokens=256, batch_size=2))
+    header, _ = read_model_card(tmp_path / 'refit')
+    block = _check_against_the_folder(tmp_path / 'refit', header)
+    assert block['method'] == 'mean_pool'
+    assert [stage['step'].split(':')[0] for stage in block['stages']] == ['convert', 'refit']
+    assert block['stages'][1]['calibration_tokens'] == 256
+    assert block['fraction_of_source_kv'] == pytest.approx(0.5)
+    assert header['license'] == 'apache-2.0'
+
+
+def test_an_mla_card_states_its_latent_ranks(source, tmp_path):
+    convert_to_mla(source, tmp_path / 'mla', MlaSettings(cache_fraction=0.5, rope_pairs=1, pair_criterion='uniform',
+                                                         factorisation='weight', ranks='uniform'))
+    header, body = read_model_card(tmp_path / 'mla')
+    block = _check_against_the_folder(tmp_path / 'mla', header)
+    config = AutoConfig.from_pretrained(tmp_path / 'mla')
+    assert block['method'] == 'mla'
+    assert f'latent ranks {min(config.mla_ranks)}-{max(config.mla_ranks)}' in block['attention']
+    assert block['fraction_of_source_kv'] == pytest.approx(0.5, abs=0.02)
+    assert 'trust_remote_code=True' in body
