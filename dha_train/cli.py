@@ -23,8 +23,8 @@ METHODS = {'mean_pool': 'GQA baseline', 'aligned_gqa': 'aligned GQA', 'asym_gqa'
 COMMANDS: dict[str, tuple[str, str]] = {
     'quickstart': ('quickstart', 'the main job on the embedded data: a stdlib corpus, a tokenizer, a tiny MHA LLaMA, '
                    'then dha and mean_pool at a 25% KV budget; input: nothing; output: quickstart_run/ and a table'),
-    'data': ('data_prep', 'data prep: RedPajama-style JSONL (or a text folder) -> tokenized MDS shards per domain; '
-             'data verify: the shards against their recorded hashes'),
+    'data': ('data_prep', 'data prep: RedPajama-style JSONL -> tokenized MDS shards per domain; data verify: the '
+             'shards against their recorded hashes; data corpus: the local stdlib as RedPajama JSONL (no download)'),
     'train': ('train', 'every method\'s stages: a YAML recipe (yamls/<method>/) -> Composer checkpoints in its '
               'save folder (`composer -n N -m dha_train.train` for several processes)'),
     'plan': ('plan', 'a recipe (any method) -> per-rank peak memory, fit on a GPU, FLOPs and wall time, worked out '

@@ -13,7 +13,7 @@ A method turns a source LLaMA (MHA or GQA) into cheaper attention. For each one 
 - ``kv_cache_bytes``: the KV-cache size of one of its models, from the HF config (default: the head map the config
   serves, ``HeadMap.from_hf_config``).
 
-Adding a method adds one ``register(Method(...))`` below; see "Adding a method" in the README.
+Adding a method adds one ``register(Method(...))`` below; see "Adding a method" in docs/developing.md.
 """
 
 from __future__ import annotations

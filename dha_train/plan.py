@@ -435,7 +435,20 @@ def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, m
     if seq_len is not None and not 1 <= seq_len <= context:
         raise ConfigError(f'plan: --seq-len must be in 1..{context} (the model\'s max_position_embeddings), '
                           f'got {seq_len}')
-    return card, config, per_rank, seq_len or context
+    return card, config, per_rank, seq_len or _data_seq_len(config) or context
+
+
+def _data_seq_len(config: TrainConfig) -> int | None:
+    """The sequence length the recipe's training data was prepared with (its ``manifest.json``), when the data
+    folder is there: what a run will train on, better than the model's context as the plan's default."""
+    root = getattr(config.train_loader, 'root', None)
+    manifest = Path(root) / 'manifest.json' if root else None
+    if manifest is None or not manifest.is_file():
+        return None
+    try:
+        return int(json.loads(manifest.read_text())['seq_len'])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _plan_in_child(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu: float,

@@ -3,7 +3,7 @@
 on stderr, ``dha-train: error: ...``, naming what is wrong; no traceback; and every file the case set up (inputs, old
 outputs, save folders) byte for byte as it was, with no temporary folder left behind.
 
-README "Bad input" lists these cases; ``pytest tests/test_bad_input.py -s`` prints each message as a table row.
+docs/bad-input.md lists these cases; ``pytest tests/test_bad_input.py -s`` prints each message as a table row.
 
 Full disk and read-only folders are real: a 64 KiB tmpfs, and a tmpfs remounted read-only (mounting needs root;
 without it the read-only cases use a chmod 555 folder and the full-disk cases are skipped). A SIGTERM during a save
@@ -163,7 +163,7 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Case:
-    name: str  # the README table's "bad input"
+    name: str  # the docs/bad-input.md table's "bad input"
     entry: str  # 'dha-train' (dha_train.cli.main) or 'train' (dha_train.train.main)
     setup: Callable[[Ctx], list[str]]  # builds the bad input under ctx.tmp; returns the command's arguments
     expected: str  # a fragment of the message; {tmp} is the case's folder

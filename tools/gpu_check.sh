@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (README, "GPU check"): on a lent GPU machine, from the repository root, after tools/gpu_wheels.sh
+# The GPU check (docs/developing.md, "GPU check"): on a lent GPU machine, from the repository root, after tools/gpu_wheels.sh
 # here and .whl/ carried there. Installs the carried wheels without their dependencies (the image keeps its torch
 # 2.11), puts the GGUF parts back together and runs tools/gpu_check.py, which writes $OUT/gpu_check.{json,md}.
 #   tools/gpu_check.sh [--minutes 25] [other tools/gpu_check.py options]

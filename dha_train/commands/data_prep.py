@@ -1,11 +1,15 @@
 """`dha-train data prep`: RedPajama JSONL(.gz/.zst) -> tokenized MDS shards per domain (``data.prep``);
-`dha-train data verify`: every shard file against the size and hash its index.json records (``data.integrity``)."""
+`dha-train data verify`: every shard file against the size and hash its index.json records (``data.integrity``);
+`dha-train data corpus`: the stdlib corpus as RedPajama JSONL (``data.corpus``), data to try a pipeline on."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from dha_train.config import ConfigError
+from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.domains import DOMAINS
 from dha_train.data.integrity import AUTO, verify_data
 from dha_train.data.prep import SPLITS, default_workers, prep_redpajama
@@ -23,10 +27,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='hash to check: auto (the one recorded, xxh64 for data prep), or a name such as sha1 '
                              '(default: %(default)s)')
     verify.set_defaults(func=run_verify)
+    corpus = data.add_parser('corpus', help='a RedPajama-style JSONL corpus from the local Python standard library '
+                             '(its source as github, its docstrings as wikipedia): data to try a pipeline on with no '
+                             'download; the input of `data prep`')
+    corpus.add_argument('out', help='an empty or new folder: <out>/github/*.jsonl and <out>/wikipedia/*.jsonl')
+    corpus.add_argument('--max-bytes', dest='max_bytes', type=int, default=3_000_000,
+                        help='text bytes per domain (default: %(default)s, the quickstart\'s)')
+    corpus.add_argument('--seed', type=int, default=0)
+    corpus.set_defaults(func=run_corpus)
 
 
 def run(args: argparse.Namespace) -> int:
     run_prep_from_args(args)
+    return 0
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f'data corpus: {out} is not empty; give a new folder')
+    if args.max_bytes < 1:
+        raise ConfigError(f'data corpus: --max-bytes must be >= 1, got {args.max_bytes}')
+    stats = build_stdlib_corpus(out, max_bytes_per_domain=args.max_bytes, seed=args.seed)
+    for domain, numbers in stats.items():
+        print(f"  {domain:<10} {numbers['documents']:>6} documents {numbers['bytes']:>11,} bytes")
+    print(f'data corpus: wrote {out} (next: dha-train data prep --input {out} --out DATA --tokenizer MODEL ...)')
     return 0
 
 

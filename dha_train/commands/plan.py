@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--mfu', type=float, default=DEFAULT_MFU,
                         help=f'model FLOPs utilisation assumed for the time (default {DEFAULT_MFU})')
     parser.add_argument('--seq-len', dest='seq_len', type=int, default=None,
-                        help="training sequence length, the data prep's --seq-len (default: the model's "
-                        'max_position_embeddings)')
+                        help="training sequence length (default: the seq_len in the recipe's data folder's "
+                        'manifest.json when it is there, else the model\'s max_position_embeddings)')
     parser.add_argument('--exact', action='store_true', help='track every layer instead of extrapolating a deep '
                         'model from its first 3 and 4 layers (about 0.8 s a 7B layer per micro-batch tried)')
     parser.add_argument('--json', action='store_true', help='print the plan as JSON')

@@ -129,3 +129,17 @@ def test_bad_plan_settings_are_one_line_errors(config_only, tmp_path, capsys):
 
 if __name__ == '__main__':
     print(_independent_peak(int(sys.argv[1]), int(sys.argv[2])))
+
+
+def test_the_default_sequence_is_the_data_folders_and_the_models_context_without_one(config_only, tmp_path,
+                                                                                     data_root):
+    """A user who prepared data at seq 256 for a model of context 4096 gets a plan at 256 without --seq-len."""
+    import json
+
+    from dha_train.config import load_config
+    from dha_train.plan import _data_seq_len
+    prepared = json.loads((data_root / 'manifest.json').read_text())['seq_len']
+    with_data = load_config(str(RECIPE), [f'variables.model_path={config_only}', f'variables.data_root={data_root}',
+                                          f'variables.save_root={tmp_path / "ckpt"}'])
+    assert _data_seq_len(with_data) == prepared != SHAPE['max_position_embeddings']
+    assert _data_seq_len(load_config(str(RECIPE), _overrides(config_only, tmp_path))) is None  # no folder: context

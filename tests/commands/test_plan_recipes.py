@@ -1,4 +1,4 @@
-"""Every shipped 7B/8B-scale recipe plans and fits at the world size and GPU the README states for it (8 x A100-80G),
+"""Every shipped 7B/8B-scale recipe plans and fits at the world size and GPU docs/planning.md states for it (8 x A100-80G),
 each from config-only folders of the real models' shapes (no weights, no data), as a user plans before a download.
 
 The converted folders a recipe starts from (a GQA, DHA or MLA export, a Fusion head map) are written with the shapes

@@ -339,3 +339,21 @@ def test_stdlib_corpus_is_deterministic_capped_and_has_both_domains(tmp_path):
     assert all(len(text) >= 200 for text in iter_corpus_texts(tmp_path / 'a' / 'wikipedia'))
     # A capped corpus samples the whole library, not just its alphabetical start.
     assert sorted(r['meta']['path'] for r in code) != [r['meta']['path'] for r in code]
+
+
+def test_the_stdlib_corpus_command_writes_what_data_prep_reads_and_refuses_a_used_folder(tmp_path, tokenizer_dir,
+                                                                                         capsys):
+    """`dha-train data corpus` (the first-hour data with no download) writes both domains as JSONL that `data prep`
+    tokenizes, within the byte cap; a folder with files in it is refused."""
+    from dha_train.cli import main
+    from dha_train.data.prep import prep_redpajama
+    assert main(['data', 'corpus', str(tmp_path / 'corpus'), '--max-bytes', '40000']) == 0
+    for domain in ('github', 'wikipedia'):
+        texts = [json.loads(line)['text'] for path in (tmp_path / 'corpus' / domain).glob('*.jsonl')
+                 for line in path.read_text().splitlines()]
+        assert texts and sum(len(text.encode()) for text in texts) <= 40000
+    prep_redpajama([tmp_path / 'corpus'], tmp_path / 'data', tokenizer_dir, seq_len=64, val_tokens=0, workers=1,
+                   progress=False)
+    assert sorted(json.loads((tmp_path / 'data' / 'manifest.json').read_text())['domains']) == ['github', 'wikipedia']
+    assert main(['data', 'corpus', str(tmp_path / 'corpus')]) == 2
+    assert 'is not empty' in capsys.readouterr().err
