@@ -87,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
         except HeadMapError as exc:
             raise HeadMapError(f'--kv-heads {args.kv_heads}: {exc}') from exc
     out = convert_checkpoint(args.model_dir, args.out_dir, head_map, overwrite=args.overwrite)
-    print(f'dha-train convert: wrote {out} (K/V heads per layer {head_map.kv_heads()[0]}'
-          f'{"" if len(set(head_map.kv_heads())) == 1 else " (varies by layer)"}; {head_map.budget_text(source)})')
+    keys, values = head_map.kv_heads()[0]
+    print(f'dha-train convert: wrote {out} ({keys} K + {values} V heads per layer'
+          f'{"" if len(set(head_map.kv_heads())) == 1 else " in layer 0 (varies by layer)"}; '
+          f'{head_map.budget_text(source)})')
     return 0
 
 
