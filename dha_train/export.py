@@ -6,6 +6,7 @@ turns it into the model that method stands for.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so eve
 from dha_train.checkpoints import CheckpointError, load_composer_state, resolve_checkpoint
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.methods import MethodError, export_model, method_of
-from dha_train.model_card import card_stage, write_model_card
+from dha_train.model_card import RUN_RECORD, card_stage, write_model_card
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
@@ -41,10 +42,17 @@ def model_weights(state: dict) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
 
 
-def _start_folder(config) -> Path | None:
-    """The folder the run started from (transformers records it in the config), when it is still there."""
-    start = getattr(config, '_name_or_path', None)
-    return Path(start) if start and Path(start).is_dir() else None
+def _run_record(checkpoint: Path, resolved: Path) -> dict:
+    """The run record ``dha-train train`` writes in its save folder (``RUN_RECORD``: the folder the run started
+    from, its recipe), looked for beside the checkpoint; {} for a run without one (older runs, remote folders)."""
+    for folder in (checkpoint, resolved.parent, resolved):
+        record = folder / RUN_RECORD
+        if record.is_file():
+            try:
+                return json.loads(record.read_text())
+            except (OSError, ValueError):
+                return {}
+    return {}
 
 
 def _trained_tokens(state: dict) -> int:
@@ -68,6 +76,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
 
     tagged = method_of(config)  # read before the export drops the tag
+    record = _run_record(Path(checkpoint), path)
+    start = Path(record['start']) if record.get('start') and Path(record['start']).is_dir() else None
     method_name = tagged.name if tagged is not None else None
     try:  # the method whose surgery the checkpoint holds (its tag in the config) turns it into its model
         config, weights = export_model(config, model_weights(state))
@@ -83,9 +93,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
 
     with staged_folder(out_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
-        write_model_card(staging, name=out_dir.name, method=method_name, source=None, start=_start_folder(config),
+        write_model_card(staging, name=out_dir.name, method=method_name, source=None, start=start,
                          stage=card_stage(f"train: run {state['state'].get('run_name', '?')}",
-                                          tokens=_trained_tokens(state), recipe=state['state'].get('run_name')))
+                                          tokens=_trained_tokens(state),
+                                          recipe=record.get('recipe') or state['state'].get('run_name')))
         if getattr(model.config, 'head_map', None) is not None:
             HeadMap.from_dict(model.config.head_map).save(staging / HEAD_MAP_FILE)
         if hf_tokenizer is not None:

@@ -29,6 +29,9 @@ from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
 
 CARD_FILE = 'README.md'
+# Written by `dha-train train` in its save folder (the folder the run started from, its recipe): what an export's card
+# needs and a checkpoint does not hold (a new key in it would stop older sharded checkpoints from resuming).
+RUN_RECORD = 'dha_train_run.json'
 KV_TOKENS = 4096  # the KV bytes a card states: one sequence of this many tokens in bf16
 TESTED_TRANSFORMERS = {  # the versions the project's tests load each model type with
     'llama': '4.53.3 and 5.23', 'dha_llama': '4.53.3 and 5.23', 'moh_llama': '4.53.3 and 5.23',

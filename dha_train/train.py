@@ -34,6 +34,7 @@ from dha_train.data.loaders import build_evaluators, build_train_dataloader, che
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.distributed import average_fsdp_gradients
 from dha_train.errors import DhaTrainError, user_error
+from dha_train.model_card import RUN_RECORD
 from dha_train.optim import build_optimizer, build_scheduler
 from dha_train.paths import check_writable
 
@@ -238,9 +239,25 @@ def is_finished(trainer) -> bool:
     return state.timestamp.get(state.max_duration.unit) >= state.max_duration
 
 
-def train(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
-    """Build the trainer and fit. A run that autoresumes into a finished state is reported done, not restarted."""
+def _record_run(config: TrainConfig, run_name: str, recipe: str | None) -> None:
+    """Write the run's start folder and recipe next to its checkpoints (global rank 0, local save folders only).
+    Kept out of the checkpoint itself: a new key there would stop older sharded checkpoints from resuming."""
+    folder = _local_save_folder(config)
+    if folder is None or dist.get_global_rank() != 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    start = config.model.pretrained_path
+    record = {'run_name': run_name, 'recipe': recipe,
+              'start': str(Path(start).resolve()) if start and '://' not in str(start) else start}
+    (folder / RUN_RECORD).write_text(json.dumps(record, indent=2) + '\n')
+
+
+def train(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = (),
+          recipe: str | None = None):
+    """Build the trainer and fit. A run that autoresumes into a finished state is reported done, not restarted.
+    ``recipe``: the YAML file, recorded for the export's model card."""
     trainer = build_trainer(config, extra_loggers, extra_callbacks)
+    _record_run(config, trainer.state.run_name, recipe)
     start_batch = int(trainer.state.timestamp.batch)
     if dist.get_global_rank() == 0:
         print(f'dha_train: run {trainer.state.run_name} starts at batch {start_batch} of {trainer.state.max_duration}',
@@ -263,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         config = load_config(argv[0], argv[1:])
-        trainer = train(config)
+        trainer = train(config, recipe=argv[0])
     except Exception as exc:
         error = user_error(exc)  # a DhaTrainError, or a disk that refused a write
         if error is None:

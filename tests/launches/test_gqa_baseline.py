@@ -42,6 +42,14 @@ def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tok
     with torch.no_grad():
         logits = model(input_ids=torch.randint(0, 384, (1, 16))).logits
     assert torch.isfinite(logits).all()
+    # The export's card continues the conversion's: convert, then the CT run with the tokens it trained on; the
+    # budget is still stated against the source; no local path is left in the config.
+    from dha_train.model_card import read_model_card
+    block = read_model_card(exported)[0]['dha_train']
+    assert [stage['step'].split(':')[0] for stage in block['stages']] == ['convert', 'train']
+    assert block['stages'][-1]['tokens'] == 8 * 16 * 64 and block['method'] == 'mean_pool'
+    assert block['fraction_of_source_kv'] == HeadMap.load(init / 'head_map.json').kv_budget_fraction()
+    assert 'dha_train_start' not in (exported / 'config.json').read_text()
 
 
 def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_root, tokenizer_dir):
