@@ -68,6 +68,14 @@ def test_align_on_a_gqa_source_groups_its_shared_heads_and_preserves_the_model(t
     ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(aligned(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+    # the aligned folder's model card: the method, one stage, the (unchanged) KV bytes of the model in the folder
+    from dha_train.methods import kv_cache_bytes
+    from dha_train.model_card import read_model_card
+    header = read_model_card(out)[0]
+    assert header['dha_train']['method'] == 'aligned_gqa' and header['base_model'] == 'rotated'
+    assert header['dha_train']['kv_bytes_per_4096_tokens_bf16'] == kv_cache_bytes(aligned.config, 4096, 2)
+    assert header['dha_train']['fraction_of_source_kv'] == 1.0
+    assert [stage['step'].split(':')[0] for stage in header['dha_train']['stages']] == ['align']
 
 
 def test_align_rejects_bad_settings_before_calibrating(tmp_path, data_root):
