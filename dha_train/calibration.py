@@ -254,6 +254,14 @@ def _live_shared_memory() -> set[int]:
     return {id(item) for item in _live_segments()}
 
 
+def release_shared_memory_since(before: set[int]) -> None:
+    """Close and unregister every streaming shared-memory segment made since ``before`` (``_live_shared_memory()``
+    taken earlier); their datasets must not be iterated again."""
+    for segment in [item for item in _live_segments() if id(item) not in before]:
+        atexit.unregister(segment.cleanup)
+        segment.cleanup()
+
+
 def _stopping(loader, before: set[int]):
     """The loader's batches, then, when the caller is done (calibration takes a few batches of an epoch), the
     streaming dataset's epoch threads stopped and the shared-memory segments it made closed. streaming registers
@@ -265,6 +273,4 @@ def _stopping(loader, before: set[int]):
         iterator = getattr(loader.dataset, '_iterator', None)  # streaming 0.13's epoch state and its threads
         if iterator is not None:
             iterator.exit()
-        for segment in [item for item in _live_segments() if id(item) not in before]:
-            atexit.unregister(segment.cleanup)
-            segment.cleanup()
+        release_shared_memory_since(before)
