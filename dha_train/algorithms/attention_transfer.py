@@ -40,8 +40,7 @@ from composer.loggers import Logger
 from safetensors import safe_open
 from torch import nn
 from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from dha_train import registry
 from dha_train.config import ConfigError
@@ -93,12 +92,9 @@ class AttentionTransfer(Algorithm):
         source_config._attn_implementation = model.config._attn_implementation
         # A student whose RoPE differs from the source's (DeepSeek's format: one shared key of other width and
         # frequencies) passes position embeddings the source cannot use: the hook then makes the source's own.
-        rope_type = (source_config.rope_scaling or {}).get('rope_type', (source_config.rope_scaling or {}).get(
-            'type', 'default'))
         self._source_rope = None
         if getattr(model.config, 'qk_rope_head_dim', None) is not None:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](source_config, 'cpu')
-            self._source_rope = (inv_freq.float(), float(scaling))
+            self._source_rope = LlamaRotaryEmbedding(source_config)
         layers = model.model.layers
         on_meta = next(model.parameters()).device.type == 'meta'
         names = [f'model.layers.{index}.self_attn.{proj}.{kind}' for index in range(len(layers))
@@ -150,12 +146,9 @@ class AttentionTransfer(Algorithm):
 
     def _source_position_embeddings(self, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor]):
         """The source's (cos, sin) at the layer's positions (its own RoPE; the student's differs)."""
-        inv_freq, scaling = self._source_rope
         if position_ids is None:
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
-        freqs = position_ids[..., None].float() * inv_freq.to(hidden_states.device)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return ((angles.cos() * scaling).to(hidden_states.dtype), (angles.sin() * scaling).to(hidden_states.dtype))
+        return self._source_rope.to(hidden_states.device)(hidden_states, position_ids)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
