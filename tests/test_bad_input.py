@@ -31,6 +31,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dha_train.checkpoints import LATEST, check_checkpoint
+from dha_train.model_card import RUN_RECORD
 from helpers import REPO, TINY_MAP, latest_checkpoint_batch, tiny_recipe, write_recipe, write_redpajama_jsonl
 
 GITHUB_SHARD = Path('github', 'train', '00000-github_0', 'shard.00000.mds')
@@ -527,7 +528,8 @@ def test_sigterm_during_a_save_leaves_whole_checkpoints_and_autoresume_goes_on(t
 
     # The save was cut off: no torn file under a checkpoint's name, no partial file left, and the link names the
     # whole batch-1 checkpoint.
-    assert sorted(p.name for p in folder.iterdir()) == ['dha_train_config.json', 'ep0-ba1-rank0.pt', LATEST]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(['dha_train_config.json', RUN_RECORD, 'ep0-ba1-rank0.pt',
+                                                               LATEST])
     assert latest_checkpoint_batch(folder) == 1
     check_checkpoint(folder / LATEST)
 
