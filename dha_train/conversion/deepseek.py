@@ -149,7 +149,7 @@ def layer_weights(attention, config, kept: list[int], directions: torch.Tensor, 
     weights, rows = _fitted(attention, config, kept, directions, rank, covariance, balance, fit, inputs, pin)
     return {'q_proj.weight': weights['q_proj.weight'].float(),
             'kv_a_proj_with_mqa.weight': weights['kv_a_proj_with_mqa.weight'].float(),
-            'kv_a_layernorm.weight': torch.ones(rank),
+            'kv_a_layernorm.weight': torch.ones(rank, device=rows.device),
             'kv_b_proj.weight': kv_b_weight(rows, heads, kv_heads, dim).float(),
             'o_proj.weight': attention.o_proj.weight.detach().float()}
 

@@ -122,7 +122,8 @@ def pin_channel(down: torch.Tensor, covariance: torch.Tensor, inputs: torch.Tens
     error on held-out tokens, against 1.4% at 0.1)."""
     inputs = inputs.double()
     mean, spread = inputs.mean(0), torch.cov(inputs.T)
-    spread = spread + ridge * spread.diagonal().mean() * torch.eye(spread.shape[0], dtype=torch.float64)
+    spread = spread + ridge * spread.diagonal().mean() * torch.eye(spread.shape[0], dtype=torch.float64,
+                                                                            device=spread.device)
     direction = torch.linalg.solve(spread, mean)
     level = float(direction @ mean)
     if level <= 0:
@@ -164,7 +165,7 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
     up, down = latent_factors(targets, rank - 1 if pinned else rank, covariance, scales)
     if pinned:
         down = torch.cat([down, pin_channel(down, covariance, pin_inputs)[None]])
-        up = torch.cat([up, torch.zeros(up.shape[0], 1, dtype=up.dtype)], dim=1)
+        up = torch.cat([up, torch.zeros(up.shape[0], 1, dtype=up.dtype, device=up.device)], dim=1)
 
     kv_of_query = torch.arange(num_heads) // group
     query_scale = u.T[kv_of_query]                                              # (H, p): u_ig of each query head
@@ -196,7 +197,7 @@ def latent_norm_fit(fit: str, up: torch.Tensor, down: torch.Tensor, targets: tor
         return up.double() * rms
     normed = rms_normed(latent)
     gram = normed.T @ normed
-    gram = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+    gram = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
     cross = (inputs.double() @ targets.double().T).T @ normed                    # (rows, rank)
     return torch.linalg.solve(gram, cross.T).T
 

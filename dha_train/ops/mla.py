@@ -56,7 +56,7 @@ def rope_pair_scores(query_states: torch.Tensor, key_states: torch.Tensor, head_
     key_norms = pair_norms(key_states, head_dim)
     if query_norms.shape[0] != len(query_to_kv):
         raise ValueError(f'{query_norms.shape[0]} query heads but query_to_kv has {len(query_to_kv)} entries')
-    index = torch.as_tensor(list(query_to_kv), dtype=torch.long)
+    index = torch.as_tensor(list(query_to_kv), dtype=torch.long, device=query_norms.device)
     if int(index.max()) >= key_norms.shape[0] or int(index.min()) < 0:
         raise ValueError(f'query_to_kv names K/V heads outside 0..{key_norms.shape[0] - 1}')
     summed = torch.zeros_like(key_norms).index_add_(0, index, query_norms)
@@ -95,14 +95,14 @@ def rope_dims(kept_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def nope_dims(kept_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(kv_heads, head_dim - 2 * pairs): the position-free dimensions of each head, increasing."""
-    keep = torch.zeros(kept_pairs.shape[0], head_dim, dtype=torch.bool)
+    keep = torch.zeros(kept_pairs.shape[0], head_dim, dtype=torch.bool, device=kept_pairs.device)
     keep.scatter_(1, rope_dims(kept_pairs, head_dim), True)
     return torch.stack([torch.nonzero(~row).flatten() for row in keep])
 
 
 def head_rows(dims: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Flat row indices into a (heads * head_dim, ...) projection for per-head dimension lists (heads, n)."""
-    offsets = torch.arange(dims.shape[0], dtype=torch.long).unsqueeze(1) * head_dim
+    offsets = torch.arange(dims.shape[0], dtype=torch.long, device=dims.device).unsqueeze(1) * head_dim
     return (dims + offsets).flatten()
 
 
@@ -132,7 +132,8 @@ def balance_scales(key_rows: torch.Tensor, value_rows: torch.Tensor, covariance:
     if key_size <= 0 or value_size <= 0:
         raise ValueError('cannot balance a key or value block with no energy')
     key_scale = (value_size / key_size).sqrt() if balance == 'energy' else value_size / key_size
-    return torch.cat([key_scale.expand(key_rows.shape[0]), torch.ones(value_rows.shape[0], dtype=torch.float64)])
+    return torch.cat([key_scale.expand(key_rows.shape[0]), torch.ones(value_rows.shape[0], dtype=torch.float64,
+                                                                    device=key_scale.device)])
 
 
 def _row_energies(rows: torch.Tensor, covariance: torch.Tensor | None) -> torch.Tensor:
@@ -184,7 +185,7 @@ def latent_factors(weight: torch.Tensor, rank: int, covariance: torch.Tensor | N
         raise ValueError(f'rank must be within 1..{weight.shape[0]}, got {rank}')
     _, vectors = latent_spectrum(weight, covariance, row_scale)
     basis = vectors[:, :rank]
-    scale = torch.ones(weight.shape[0], dtype=torch.float64) if row_scale is None else row_scale.double()
+    scale = torch.ones(weight.shape[0], dtype=torch.float64, device=weight.device) if row_scale is None else row_scale.double()
     down = basis.T @ (weight.double() * scale.unsqueeze(1))
     up = basis / scale.unsqueeze(1)
     return up, down
