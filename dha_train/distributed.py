@@ -76,11 +76,12 @@ def shard_like(model: nn.Module, reference: nn.Module, weights_from_rank0: bool 
     return model
 
 
-def reduce_scatter_averages(group) -> bool:
+def reduce_scatter_averages(group, device: torch.device | str = 'cpu') -> bool:
     """Whether ``ReduceOp.AVG`` in a reduce-scatter on ``group`` really averages (a collective: every rank of the
-    group calls it). gloo in torch 2.7 silently sums instead (pytorch/pytorch#162338)."""
-    ones = torch.ones(group.size(), dtype=torch.float32)
-    out = torch.empty(1, dtype=torch.float32)
+    group calls it). gloo in torch 2.7 silently sums instead (pytorch/pytorch#162338). ``device`` is where FSDP2
+    keeps the gradients it reduces: NCCL takes only CUDA tensors, and the probe must run on the backend FSDP uses."""
+    ones = torch.ones(group.size(), dtype=torch.float32, device=device)
+    out = torch.empty(1, dtype=torch.float32, device=device)
     torch.distributed.reduce_scatter_tensor(out, ones, op=torch.distributed.ReduceOp.AVG, group=group)
     return abs(float(out) - 1.0) < 1e-6
 
@@ -108,7 +109,7 @@ def average_fsdp_gradients(model: nn.Module) -> int:
         if group.size() == 1:
             continue
         if group not in averages:
-            averages[group] = reduce_scatter_averages(group)
+            averages[group] = reduce_scatter_averages(group, param_group.device)
         if not averages[group]:
             module.set_all_reduce_hook(functools.partial(torch.Tensor.div_, other=group.size()))
             patched += 1
