@@ -19,6 +19,20 @@ from dha_train.ops.mla import BALANCES, PAIR_CRITERIA
 MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
+# Options of DeepSeek's format only (the project's MLA class has no latent norm).
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'latent_pin')
+# Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
+# settings classes hold the defaults.
+_MLA_SHARED = ('rope_pairs', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
+_MLA_OPTIONS = ('cache_fraction', 'mla_format', *_MLA_SHARED, *_NOT_DEEPSEEK, *_DEEPSEEK_ONLY)
+
+
+def _flag(name: str) -> str:
+    return {'mla_format': '--format', 'latent_pin': '--no-latent-pin'}.get(name, f"--{name.replace('_', '-')}")
+
+
+def _given(args: argparse.Namespace, names) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = MlaSettings(cache_fraction=1.0)
     mla.add_argument('--cache-fraction', type=float, default=None,
                      help='cache numbers per token as a fraction of the source\'s K+V cache (e.g. 0.3333)')
-    mla.add_argument('--format', dest='mla_format', choices=MLA_FORMATS, default='dha_train',
-                     help='dha_train: the project\'s MLA class (per-layer ranks, RoPE pairs per K/V head; loads with '
+    mla.add_argument('--format', dest='mla_format', choices=MLA_FORMATS, default=None,
+                     help='dha_train (default): the project\'s MLA class (per-layer ranks, RoPE pairs per K/V head; loads with '
                           'trust_remote_code); deepseek: transformers\' own DeepseekV3ForCausalLM (one rank, one '
                           'RoPE key shared by all heads), the format serving engines\' MLA kernels run')
     mla.add_argument('--rope-pairs', type=int, default=None,
@@ -52,21 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--rank-step', type=int, default=None, help=f'default {defaults.rank_step}')
     mla.add_argument('--factorisation', choices=FACTORISATIONS, default=None,
                      help='activation: SVD whitened by the calibration covariance (default); weight: plain SVD')
-    mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default='regression',
+    mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default=None,
                      help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
                           'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
-    mla.add_argument('--no-latent-pin', dest='latent_pin', action='store_false',
+    mla.add_argument('--no-latent-pin', dest='latent_pin', action='store_const', const=False, default=None,
                      help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
                           'one latent channel that holds the latent\'s RMS near-constant)')
-    mla.add_argument('--balance', choices=BALANCES, default=defaults.balance,
-                     help='scale the keys against the values before the joint factorisation: energy (equal total '
+    mla.add_argument('--balance', choices=BALANCES, default=None,
+                     help=f'scale the keys against the values before the joint factorisation (default '
+                          f'{defaults.balance}): energy (equal total '
                           'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
                           'norm) or none')
     mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')
-    mla.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')
-    mla.add_argument('--batch-size', type=int, default=defaults.batch_size)
-    mla.add_argument('--seed', type=int, default=defaults.seed)
-    mla.add_argument('--device', default=defaults.device)
+    mla.add_argument('--tokens', type=int, default=None, help=f'calibration tokens (default {defaults.tokens})')
+    mla.add_argument('--batch-size', type=int, default=None, help=f'default {defaults.batch_size}')
+    mla.add_argument('--seed', type=int, default=None, help=f'default {defaults.seed}')
+    mla.add_argument('--device', default=None, help=f'default {defaults.device}')
     parser.add_argument('--overwrite', action='store_true')
     parser.set_defaults(func=run)
 
@@ -75,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     check_model_folder(args.model_dir, who='convert')
     if args.method == 'mla':
         return run_mla(args)
+    stray = [_flag(name) for name in _given(args, _MLA_OPTIONS)]
+    if stray:
+        raise ConfigError(f'convert --method mean_pool: {", ".join(stray)} apply only to --method mla')
     if args.head_map is None and args.kv_heads is None:
         raise ConfigError('convert --method mean_pool needs --head-map or --kv-heads')
     config = LlamaConfig.from_pretrained(args.model_dir, local_files_only=True)
@@ -101,9 +119,10 @@ def run_mla(args: argparse.Namespace) -> int:
         raise ConfigError('convert --method mla needs --cache-fraction (of the source\'s K+V cache)')
     if args.mla_format == 'deepseek':
         return run_deepseek(args)
-    given = {name: getattr(args, name) for name in (*_NOT_DEEPSEEK, 'rope_pairs') if getattr(args, name) is not None}
-    settings = MlaSettings(cache_fraction=args.cache_fraction, balance=args.balance, data=args.data,
-                           tokens=args.tokens, batch_size=args.batch_size, seed=args.seed, device=args.device, **given)
+    stray = [_flag(name) for name in _given(args, _DEEPSEEK_ONLY)]
+    if stray:
+        raise ConfigError(f'convert --method mla: {", ".join(stray)} apply only to --format deepseek')
+    settings = MlaSettings(cache_fraction=args.cache_fraction, **_given(args, (*_MLA_SHARED, *_NOT_DEEPSEEK)))
     report = convert_to_mla(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     ranks = report['ranks']
     print(f'dha-train convert --method mla: wrote {args.out_dir} (latent ranks {min(ranks)}-{max(ranks)}, '
@@ -114,14 +133,14 @@ def run_mla(args: argparse.Namespace) -> int:
 
 
 def run_deepseek(args: argparse.Namespace) -> int:
-    given = [f"--{name.replace('_', '-')}" for name in _NOT_DEEPSEEK if getattr(args, name) is not None]
+    given = [_flag(name) for name in _given(args, _NOT_DEEPSEEK)]
     if given:
         raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
                           'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
-    settings = DeepseekSettings(cache_fraction=args.cache_fraction, rope_pairs=args.rope_pairs,
-                                latent_norm_fit=args.latent_norm_fit, pin=args.latent_pin, balance=args.balance,
-                                data=args.data,
-                                tokens=args.tokens, batch_size=args.batch_size, seed=args.seed, device=args.device)
+    options = _given(args, (*_MLA_SHARED, 'latent_norm_fit'))
+    if args.latent_pin is not None:
+        options['pin'] = args.latent_pin
+    settings = DeepseekSettings(cache_fraction=args.cache_fraction, **options)
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '

@@ -112,6 +112,11 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
     (['--method', 'mla', '--cache-fraction', '1.5', '--pair-criterion', 'uniform', '--factorisation', 'weight'],
      'must be in (0, 1]'),
     ([], 'needs --head-map or --kv-heads'),
+    # options that do not apply are refused, not ignored
+    (['--kv-heads', '1', '--cache-fraction', '0.5', '--balance', 'none'],
+     'mean_pool: --cache-fraction, --balance apply only to --method mla'),
+    (['--method', 'mla', '--cache-fraction', '0.5', '--latent-norm-fit', 'scalar', '--no-latent-pin'],
+     '--latent-norm-fit, --no-latent-pin apply only to --format deepseek'),
 ])
 def test_bad_requests_are_one_line_before_any_work(gqa_source, tmp_path, capsys, arguments, message):
     assert main(['convert', str(gqa_source), str(tmp_path / 'out'), *arguments]) == 2
