@@ -10,9 +10,6 @@ Memory is bounded by the layer widths and the sample size, never by N. The same 
 
 from __future__ import annotations
 
-import atexit
-import gc
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +18,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dha_train.config import ConfigError, TrainLoaderConfig
-from dha_train.data.loaders import build_train_dataloader, check_data_matches_model
+from dha_train.data.loaders import (
+    build_train_dataloader,
+    check_data_matches_model,
+    closing_batches,
+    live_shared_memory,
+)
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.errors import DhaTrainError
 from dha_train.model_folders import check_model_folder
@@ -237,40 +239,5 @@ def calibration_batches(model_dir: Path, config, *, data: str, split: str, batch
     check_data_matches_model(data, vocab_size=config.vocab_size, max_seq_len=config.max_position_embeddings,
                              where=who, tokenizer=tokenizer)
     loader_config = TrainLoaderConfig(root=data, split=split, drop_last=False)
-    before = _live_shared_memory()
-    return _stopping(build_train_dataloader(loader_config, device_batch_size=batch_size, seed=seed), before)
-
-
-def _live_segments() -> list:
-    """Every streaming shared-memory segment alive in this process (scanning gc's objects touches deprecated torch
-    attributes, whose warnings are not ours)."""
-    from streaming.base.shared.memory import SharedMemory
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        return [item for item in gc.get_objects() if isinstance(item, SharedMemory)]
-
-
-def _live_shared_memory() -> set[int]:
-    return {id(item) for item in _live_segments()}
-
-
-def release_shared_memory_since(before: set[int]) -> None:
-    """Close and unregister every streaming shared-memory segment made since ``before`` (``_live_shared_memory()``
-    taken earlier); their datasets must not be iterated again."""
-    for segment in [item for item in _live_segments() if id(item) not in before]:
-        atexit.unregister(segment.cleanup)
-        segment.cleanup()
-
-
-def _stopping(loader, before: set[int]):
-    """The loader's batches, then, when the caller is done (calibration takes a few batches of an epoch), the
-    streaming dataset's epoch threads stopped and the shared-memory segments it made closed. streaming registers
-    every segment for cleanup at process exit only, so each calibration would otherwise hold about 150 open files
-    until the process ends, and a long process (the test suite, a bench) runs out of them."""
-    try:
-        yield from loader
-    finally:
-        iterator = getattr(loader.dataset, '_iterator', None)  # streaming 0.13's epoch state and its threads
-        if iterator is not None:
-            iterator.exit()
-        release_shared_memory_since(before)
+    before = live_shared_memory()
+    return closing_batches(build_train_dataloader(loader_config, device_batch_size=batch_size, seed=seed), before)

@@ -45,7 +45,7 @@ def data_root(tmp_path_factory, tokenizer_dir) -> Path:
 def _release_streaming_shared_memory():
     """streaming frees a dataset's shared memory only at process exit (about 5 files per dataset); over the whole
     suite in one process that ran out of file descriptors. Each module's datasets are closed when it ends."""
-    from dha_train.calibration import _live_shared_memory, release_shared_memory_since
-    before = _live_shared_memory()
+    from dha_train.data.loaders import live_shared_memory, release_shared_memory_since
+    before = live_shared_memory()
     yield
     release_shared_memory_since(before)

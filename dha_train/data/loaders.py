@@ -8,6 +8,9 @@ Composer ``Evaluator`` per domain, so every domain reports its own LM loss and a
 
 from __future__ import annotations
 
+import atexit
+import gc
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import numpy as np
 import torch
 from composer.core import Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.shared.memory import SharedMemory
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
@@ -155,3 +159,38 @@ def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_na
         evaluators.append(Evaluator(label=eval_label(domain), dataloader=loader, metric_names=metric_names,
                                     subset_num_batches=cfg.subset_num_batches))
     return evaluators
+
+
+def _live_segments() -> list:
+    """Every streaming shared-memory segment alive in this process (scanning gc's objects touches deprecated torch
+    attributes, whose warnings are not ours)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        return [item for item in gc.get_objects() if isinstance(item, SharedMemory)]
+
+
+def live_shared_memory() -> set[int]:
+    """The ids of the streaming shared-memory segments alive now (for ``release_shared_memory_since``)."""
+    return {id(item) for item in _live_segments()}
+
+
+def release_shared_memory_since(before: set[int]) -> None:
+    """Close and unregister every streaming shared-memory segment made since ``before`` (``live_shared_memory()``
+    taken earlier); their datasets must not be iterated again."""
+    for segment in [item for item in _live_segments() if id(item) not in before]:
+        atexit.unregister(segment.cleanup)
+        segment.cleanup()
+
+
+def closing_batches(loader, before: set[int]):
+    """The loader's batches, then, when the caller is done (e.g. calibration, which takes a few batches), the
+    streaming dataset's epoch threads stopped and the shared-memory segments it made closed. streaming registers
+    every segment for cleanup at process exit only, so each calibration would otherwise hold about 150 open files
+    until the process ends, and a long process (the test suite, a bench) runs out of them."""
+    try:
+        yield from loader
+    finally:
+        iterator = getattr(loader.dataset, '_iterator', None)  # streaming 0.13's epoch state and its threads
+        if iterator is not None:
+            iterator.exit()
+        release_shared_memory_since(before)

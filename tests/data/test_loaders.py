@@ -52,3 +52,22 @@ def test_one_evaluator_per_domain(data_root):
     assert [e.label for e in evaluators] == ['eval_github', 'eval_wikipedia']
     batch = next(iter(evaluators[0].dataloader.dataloader))
     assert batch['input_ids'].shape == (4, 64)
+
+
+def test_closing_batches_gives_back_the_files_the_loader_opened(data_root):
+    """streaming frees a dataset's shared memory only at process exit; `closing_batches` (calibration's loader) frees
+    it when the caller stops, so a long process does not run out of file descriptors."""
+    import os
+
+    from dha_train.data.loaders import build_train_dataloader, closing_batches, live_shared_memory
+
+    def open_files() -> int:
+        return len(os.listdir('/proc/self/fd'))
+
+    before, files = live_shared_memory(), open_files()
+    batches = closing_batches(build_train_dataloader(TrainLoaderConfig(root=str(data_root), drop_last=False),
+                                                     device_batch_size=2, seed=0), before)
+    assert next(batches)['input_ids'].shape[0] == 2
+    assert open_files() > files  # the dataset's shared-memory segments
+    batches.close()
+    assert open_files() <= files
