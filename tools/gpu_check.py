@@ -94,8 +94,9 @@ def prepare(args, work: Path) -> tuple[Path, Path]:
     return source, data
 
 
-def methods(source: Path, work: Path, data: Path) -> list[dict]:
-    """Each method's conversion (None: the source itself) and recipe with its variables."""
+def methods(source: Path, work: Path, data: Path, device: str) -> list[dict]:
+    """Each method's conversion (None: the source itself; on ``device`` where it computes more than means) and
+    recipe with its variables."""
     gqa, mla, aligned = work / 'gqa-kv1', work / 'mla-third', work / 'aligned-kv1'
     runs = work / 'runs'
     head_map = runs / 'real-dha-search' / 'search' / 'head_map.json'
@@ -104,7 +105,7 @@ def methods(source: Path, work: Path, data: Path) -> list[dict]:
          'recipe': 'yamls/real/ct.yaml', 'variables': {'model_path': gqa, 'name': 'gqa-ct'}},
         {'name': 'mla-ct', 'convert': _cli('convert', str(source), str(mla), '--method', 'mla', '--cache-fraction',
                                            '0.3333', '--pair-criterion', 'uniform', '--factorisation', 'weight',
-                                           '--ranks', 'uniform', '--overwrite'),
+                                           '--ranks', 'uniform', '--device', device, '--overwrite'),
          'recipe': 'yamls/real/ct.yaml', 'variables': {'model_path': mla, 'name': 'mla-ct'}},
         {'name': 'dha-search', 'convert': None, 'recipe': 'yamls/real/dha_search.yaml',
          'variables': {'model_path': source}},
@@ -112,7 +113,8 @@ def methods(source: Path, work: Path, data: Path) -> list[dict]:
          'variables': {'model_path': source, 'head_map': head_map}},
         {'name': 'moh', 'convert': None, 'recipe': 'yamls/real/moh.yaml', 'variables': {'model_path': source}},
         {'name': 'aligned-gqa', 'convert': _cli('align', str(source), str(aligned), '--num-groups', '1', '--data',
-                                                str(data), '--tokens', '8192', '--overwrite'),
+                                                str(data), '--tokens', '8192', '--device', device,
+                                                '--overwrite'),
          'recipe': 'yamls/real/prune.yaml', 'variables': {'model_path': aligned, 'teacher_path': source}},
         {'name': 'healing-transfer', 'convert': None, 'recipe': 'yamls/real/transfer.yaml',
          'variables': {'model_path': gqa, 'source_path': source}},
@@ -127,7 +129,7 @@ def check_method(method: dict, args, work: Path, data: Path) -> dict:
     row = {'name': method['name'], 'recipe': method['recipe']}
     logs = work / 'logs'
     if method['convert'] is not None:
-        code, output, seconds = _run(method['convert'] + ['--device', args.device], logs / f"{method['name']}-"
+        code, output, seconds = _run(method['convert'], logs / f"{method['name']}-"
                                      'convert.log', timeout=1200)
         row['convert_seconds'] = round(seconds, 1)
         if code:
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
     results = {'environment': environment(), 'settings': vars(args), 'methods': []}
     print(json.dumps(results['environment']), flush=True)
     source, data = prepare(args, work)
-    for method in methods(source, work, data):
+    for method in methods(source, work, data, args.device):
         if args.methods and method['name'] not in args.methods:
             continue
         row = check_method(method, args, work, data)
