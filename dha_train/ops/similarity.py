@@ -21,7 +21,7 @@ def symmetric_gram(x: torch.Tensor, blocks: int = GRAM_BLOCKS) -> torch.Tensor:
     if x.ndim != 2:
         raise ValueError(f'expected a (samples, features) matrix, got shape {tuple(x.shape)}')
     features = x.shape[1]
-    bounds = torch.linspace(0, features, min(blocks, features) + 1).round().long().tolist()
+    bounds = torch.linspace(0, features, min(blocks, features) + 1, device='cpu').round().long().tolist()  # host ints
     gram = x.new_empty(features, features)
     for start, stop in zip(bounds[:-1], bounds[1:]):
         gram[start:stop, start:] = x[:, start:stop].T @ x[:, start:]

@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from dha_train.ops.mla import (
-    BALANCES,
     allocate_latent_ranks,
     balance_scales,
     cache_values_per_token,
     head_rows,
-    joint_latent_rows,
     kept_rope_pairs,
-    latent_energies,
     latent_factors,
     latent_spectrum,
     left_out_energy,
-    mla_layer_weights,
     nope_dims,
     pair_norms,
     rope_dims,
@@ -196,36 +192,3 @@ def test_cache_at_full_rank_with_every_pair_kept_is_the_source_cache():
         assert cache_values_per_token([full_rank] * layers, [pairs] * layers, kv_heads) == \
             layers * 2 * kv_heads * HEAD_DIM
     assert cache_values_per_token([16, 8], [1, 2], 2) == 16 + 4 + 8 + 8
-
-
-@pytest.mark.parametrize('balance', BALANCES)
-def test_the_conversion_maths_makes_its_tensors_on_its_inputs_device(balance):
-    """`convert --method mla --device cuda` once failed in `balance_scales` (a CPU tensor concatenated with CUDA ones).
-    With the default device set to `meta`, any tensor made without the inputs' device lands on `meta` and mixing it
-    with the CPU inputs raises: the CPU-only stand-in for a GPU run of the MLA and DeepSeek conversion maths."""
-    from dha_train.ops.deepseek import (
-        deepseek_attention_weights,
-        kv_b_weight,
-        latent_norm_fit,
-        pair_key_energy,
-        principal_directions,
-    )
-
-    torch.manual_seed(0)
-    heads, kv_heads, dim, hidden = 4, 2, 8, 24
-    q, k, v = (torch.randn(n * dim, hidden) for n in (heads, kv_heads, kv_heads))
-    inputs = torch.randn(64, hidden) + 0.5
-    covariance = (inputs.T @ inputs / inputs.shape[0]).double()  # as calibration hands it over
-    with torch.device('meta'):
-        scores = rope_pair_scores(inputs @ q.T, inputs @ k.T, dim, [0, 0, 1, 1])
-        kept = kept_rope_pairs(kv_heads, dim, 2, 'norm', scores)
-        rows, scales = joint_latent_rows(k, v, kept, dim, covariance, balance)
-        latent_energies(rows, covariance, scales)
-        converted = mla_layer_weights(k, v, kept, dim, 6, covariance, balance)
-        directions, _ = principal_directions(pair_key_energy(k, covariance, kv_heads, dim))
-        layer = deepseek_attention_weights(q, k, v, heads, kv_heads, dim, [0, 2], directions, 6, covariance,
-                                           balance, pin_inputs=inputs)
-        fitted = latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6], layer['targets'],
-                                 inputs)
-        kv_b = kv_b_weight(fitted, heads, kv_heads, dim)
-    assert all(t.device.type == 'cpu' for t in (*converted.values(), *layer.values(), kv_b))

@@ -1,0 +1,77 @@
+"""The conversion maths makes every tensor on its inputs' device.
+
+`convert --method mla --device cuda` once failed on an H200: `balance_scales` concatenated a tensor made on the CPU
+with CUDA ones. CI has no GPU, so these tests set the default device to `meta` and feed CPU inputs: a tensor made
+without the inputs' device lands on `meta`, and mixing it with the inputs raises (or leaves a `meta` result, which
+the checks below catch). Host-side values (loop bounds, index lists) say `device='cpu'` explicitly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dha_train.ops import alignment, deepseek, refit, similarity
+from dha_train.ops.mla import (
+    BALANCES,
+    joint_latent_rows,
+    kept_rope_pairs,
+    latent_energies,
+    mla_layer_weights,
+    rope_pair_scores,
+)
+
+HEADS, KV_HEADS, DIM, HIDDEN, TOKENS = 4, 2, 8, 24, 64
+
+
+def _on_cpu(*tensors) -> bool:
+    return all(t.device.type == 'cpu' for t in tensors)
+
+
+@pytest.fixture
+def inputs():
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN) + 0.5
+    q, k, v = (torch.randn(n * DIM, HIDDEN) for n in (HEADS, KV_HEADS, KV_HEADS))
+    o = torch.randn(HIDDEN, HEADS * DIM)
+    return {'x': x, 'q': q, 'k': k, 'v': v, 'o': o, 'covariance': (x.T @ x / TOKENS).double()}
+
+
+@pytest.mark.parametrize('balance', BALANCES)
+def test_mla_and_deepseek_conversion_maths(inputs, balance):
+    q, k, v, x, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['x'], inputs['covariance']
+    with torch.device('meta'):
+        scores = rope_pair_scores(x @ q.T, x @ k.T, DIM, [0, 0, 1, 1])
+        kept = kept_rope_pairs(KV_HEADS, DIM, 2, 'norm', scores)
+        rows, scales = joint_latent_rows(k, v, kept, DIM, covariance, balance)
+        spectrum = latent_energies(rows, covariance, scales)
+        converted = mla_layer_weights(k, v, kept, DIM, 6, covariance, balance)
+        directions, _ = deepseek.principal_directions(deepseek.pair_key_energy(k, covariance, KV_HEADS, DIM))
+        layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, [0, 2], directions, 6, covariance,
+                                                    balance, pin_inputs=x)
+        fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
+                                          layer['targets'], x)
+        kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
+    assert _on_cpu(spectrum, *converted.values(), *layer.values(), kv_b)
+
+
+def test_alignment_similarity_and_refit_maths(inputs):
+    q, k, v, o, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['o'], inputs['covariance']
+    caches = torch.randn(TOKENS, HEADS * DIM)
+    partition = [[0, 1], [2, 3]]
+    with torch.device('meta'):
+        gram = similarity.symmetric_gram(caches)
+        results = [gram, similarity.cka_from_gram(gram, HEADS),
+                   similarity.best_match_cosine(caches.reshape(TOKENS, HEADS, DIM).transpose(0, 1))]
+        for kind in ('key', 'value'):
+            results += [alignment.aligned_similarity(gram, HEADS, kind, criterion, TOKENS) for criterion in ('cos', 'dist')]
+            maps = alignment.group_maps(gram, partition, kind)
+            assert isinstance(alignment.within_group_cosine(gram, partition, TOKENS, maps), float)
+            head_q = torch.cat([q, q])  # MHA: one K and V head per query head
+            folded = (alignment.fold_value_maps(torch.cat([v, v]), o, maps) if kind == 'value'
+                      else alignment.fold_key_maps(head_q, torch.cat([k, k]), maps))
+            results += [maps, *folded]
+        layer = refit.refit_head_map_layer({'q': q, 'k': k, 'v': v, 'o': o}, covariance, DIM,
+                                           source_kv_of_query=[0, 0, 1, 1], query_source=[0, 1, 2, 3],
+                                           key_of_query=[0, 0, 0, 0], value_of_query=[0, 0, 0, 0])
+    assert _on_cpu(*results, *[value for value in vars(layer).values() if isinstance(value, torch.Tensor)])
