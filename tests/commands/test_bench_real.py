@@ -4,6 +4,7 @@ method and the offline local task: the rows, the KV budgets and the teacher's ac
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -59,11 +60,12 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     task = build_local_task(raw, tmp_path / 'task', examples=6, fewshot_examples=2, max_words=120)
     limit = 6
     # training data: the session's synthetic github + wikipedia shards; held-out: /usr/share/doc text
-    results = run_real_bench(RealSettings(
+    settings = RealSettings(
         out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
         tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=limit, val_tokens=4 * SEQ_LEN, calib_tokens=128,
         search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False,
-        isolate_stages=False))
+        isolate_stages=False)
+    results = run_real_bench(settings)
     rows = {row['label']: row for row in results['rows']}
     teacher = LlamaConfig.from_pretrained(source)
     teacher_bytes = kv_cache_bytes(teacher)
@@ -109,6 +111,12 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     for name in ('accuracy.png', 'loss.png'):
         assert (tmp_path / 'bench' / name).read_bytes()[:4] == b'\x89PNG'
 
+    # re-running one method at one budget (its stages reused) adds to the table: every other row stays, in order
+    again = run_real_bench(replace(settings, methods=('mla',), budgets=('kv2',)))
+    assert [row['label'] for row in again['rows']] == [row['label'] for row in saved['rows']]
+    assert again['skipped'] == saved['skipped']
+    assert rows['MLA kv2 +CT']['val_loss'] == {row['label']: row for row in again['rows']}['MLA kv2 +CT']['val_loss']
+
 
 @pytest.mark.slow
 def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp_path, tokenizer_dir, data_root):
@@ -132,3 +140,19 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
     refit = json.loads((tmp_path / 'bench' / 'runs').glob('*/meanpool-kv1-refit/DONE.json').__next__().read_text())
     assert refit['mean_key_error_after'] < refit['mean_key_error_before']
     assert refit['mean_value_error_after'] < refit['mean_value_error_before']
+
+
+def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not_merged(tmp_path):
+    from dha_train.commands.bench.real import _earlier_results
+
+    path = tmp_path / 'results.json'
+    earlier = {'source': {'name': 'other'}, 'settings': {'limit': 50}, 'rows': [{'label': 'x', 'method': 'mla',
+                                                                              'budget': 'kv1'}]}
+    path.write_text(json.dumps(earlier))
+    now = {'source': {'name': 'other'}, 'settings': {'limit': 50, 'methods': ['mean_pool']}}
+    assert _earlier_results(path, now, RealSettings(methods=('mean_pool',))) == (earlier['rows'], [])
+    assert _earlier_results(path, now, RealSettings(methods=('mla',), budgets=('kv1',))) == ([], [])
+    assert _earlier_results(path, {**now, 'settings': {'limit': 5}}, RealSettings()) == ([], [])
+    assert not path.exists()
+    assert json.loads((tmp_path / 'results.replaced-1.json').read_text()) == earlier
+

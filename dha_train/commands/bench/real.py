@@ -811,6 +811,61 @@ def _plot(results: dict, work: Path) -> list[str]:
     return files
 
 
+_SETTINGS_OF_A_SELECTION = ('methods', 'budgets', 'out', 'isolate_stages')
+
+
+def _ran_here(row: dict, settings: RealSettings) -> bool:
+    """Whether this invocation produces ``row``'s (method, budget): the teacher always, MoH when named (it has one
+    setting), any other method at the budgets named."""
+    if row['method'] == 'teacher':
+        return True
+    return row['method'] in settings.methods and (row['method'] == 'moh' or row['budget'] in settings.budgets)
+
+
+def _earlier_results(path: Path, results: dict, settings: RealSettings) -> tuple[list, list]:
+    """The rows and skip notes of an earlier ``results.json`` in the same folder that this invocation does not
+    produce again, so a run of some methods or budgets adds to the table instead of replacing it. Only when the
+    earlier run used the same source and settings (apart from which methods and budgets ran); otherwise it is
+    kept as ``results.replaced-N.json``, never silently overwritten."""
+    if not path.is_file():
+        return [], []
+    earlier = json.loads(path.read_text())
+
+    def comparable(entry: dict) -> dict:  # as JSON holds it: tuples as lists, paths as strings
+        return json.loads(json.dumps({'source': entry.get('source'), **{
+            key: value for key, value in entry.get('settings', {}).items() if key not in _SETTINGS_OF_A_SELECTION}},
+            default=str))
+
+    if comparable(earlier) != comparable(results):
+        number = 1
+        while (path.parent / f'results.replaced-{number}.json').exists():
+            number += 1
+        kept = path.rename(path.parent / f'results.replaced-{number}.json')
+        _say(f'results.json of other settings or another source kept as {kept.name}')
+        return [], []
+    rows = [row for row in earlier.get('rows', []) if not _ran_here(row, settings)]
+    skipped = [entry for entry in earlier.get('skipped', []) if not _ran_here(entry, settings)]
+    if rows:
+        _say(f'keeping {len(rows)} rows of earlier runs in results.json (methods or budgets not run now)')
+    return rows, skipped
+
+
+def _in_bench_order(rows: list[dict]) -> list[dict]:
+    """The teacher, then by budget (``BUDGETS`` order), by method (``METHODS`` order), then MoH; each method's rows
+    in the order they were made."""
+    def place(names, name) -> int:  # a name this version does not know goes last
+        return names.index(name) if name in names else len(names)
+
+    def key(indexed):
+        index, row = indexed
+        if row['method'] == 'teacher':
+            return (0, 0, 0, index)
+        if row['budget'] is None:
+            return (2, 0, place(METHODS, row['method']), index)
+        return (1, place(BUDGETS, row['budget']), place(METHODS, row['method']), index)
+    return [row for _, row in sorted(enumerate(rows), key=key)]
+
+
 def run_real_bench(settings: RealSettings | None = None) -> dict:
     settings = resolve_settings(settings or RealSettings())
     work = Path(settings.out).resolve()
@@ -836,7 +891,11 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
         'task_splits': bench.task_data, 'rows': bench.rows, 'skipped': bench.skipped,
     }
 
+    kept_rows, kept_skipped = _earlier_results(work / 'results.json', results, settings)
+
     def save() -> None:
+        results['rows'] = _in_bench_order([*kept_rows, *bench.rows])
+        results['skipped'] = [*kept_skipped, *bench.skipped]
         results['total_seconds'] = round(time.perf_counter() - started, 1)
         (work / 'results.json').write_text(json.dumps(results, indent=2, default=str))
 
