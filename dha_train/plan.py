@@ -34,6 +34,7 @@ import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 from dha_train import registry
 from dha_train.builders import build_llama_config, wrap_composer
 from dha_train.config import ConfigError, TrainConfig, load_config, per_device_batch
+from dha_train.data.prep import MANIFEST_NAME, read_manifest
 from dha_train.distributed import causal_lm_on_meta, shard_blocks
 from dha_train.model_folders import weights_optional
 from dha_train.optim import build_optimizer
@@ -442,11 +443,10 @@ def _data_seq_len(config: TrainConfig) -> int | None:
     """The sequence length the recipe's training data was prepared with (its ``manifest.json``), when the data
     folder is there: what a run will train on, better than the model's context as the plan's default."""
     root = getattr(config.train_loader, 'root', None)
-    manifest = Path(root) / 'manifest.json' if root else None
-    if manifest is None or not manifest.is_file():
+    if not root or not (Path(root) / MANIFEST_NAME).is_file():
         return None
     try:
-        return int(json.loads(manifest.read_text())['seq_len'])
+        return int(read_manifest(root)['seq_len'])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -20,7 +20,7 @@ MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 # Options of DeepSeek's format only (the project's MLA class has no latent norm).
-_DEEPSEEK_ONLY = ('latent_norm_fit', 'latent_pin')
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin')
 # Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
 # settings classes hold the defaults.
 _MLA_SHARED = ('rope_pairs', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
@@ -28,7 +28,7 @@ _MLA_OPTIONS = ('cache_fraction', 'mla_format', *_MLA_SHARED, *_NOT_DEEPSEEK, *_
 
 
 def _flag(name: str) -> str:
-    return {'mla_format': '--format', 'latent_pin': '--no-latent-pin'}.get(name, f"--{name.replace('_', '-')}")
+    return {'mla_format': '--format', 'pin': '--no-latent-pin'}.get(name, f"--{name.replace('_', '-')}")
 
 
 def _given(args: argparse.Namespace, names) -> dict:
@@ -51,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--cache-fraction', type=float, default=None,
                      help='cache numbers per token as a fraction of the source\'s K+V cache (e.g. 0.3333)')
     mla.add_argument('--format', dest='mla_format', choices=MLA_FORMATS, default=None,
-                     help='dha_train (default): the project\'s MLA class (per-layer ranks, RoPE pairs per K/V head; loads with '
-                          'trust_remote_code); deepseek: transformers\' own DeepseekV3ForCausalLM (one rank, one '
-                          'RoPE key shared by all heads), the format serving engines\' MLA kernels run')
+                     help='dha_train (default): the project\'s MLA class (per-layer ranks, RoPE pairs per K/V '
+                          'head; loads with trust_remote_code); deepseek: transformers\' own DeepseekV3ForCausalLM '
+                          '(one rank, one RoPE key shared by all heads), the format serving engines\' MLA kernels run')
     mla.add_argument('--rope-pairs', type=int, default=None,
                      help=f'RoPE pairs kept rotated: per K/V head (default {defaults.rope_pairs}), or with --format '
                           'deepseek in the shared RoPE key (default head_dim / 4)')
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default=None,
                      help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
                           'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
-    mla.add_argument('--no-latent-pin', dest='latent_pin', action='store_const', const=False, default=None,
+    mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
                      help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
                           'one latent channel that holds the latent\'s RMS near-constant)')
     mla.add_argument('--balance', choices=BALANCES, default=None,
@@ -137,10 +137,7 @@ def run_deepseek(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
                           'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
-    options = _given(args, (*_MLA_SHARED, 'latent_norm_fit'))
-    if args.latent_pin is not None:
-        options['pin'] = args.latent_pin
-    settings = DeepseekSettings(cache_fraction=args.cache_fraction, **options)
+    settings = DeepseekSettings(cache_fraction=args.cache_fraction, **_given(args, (*_MLA_SHARED, *_DEEPSEEK_ONLY)))
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '

@@ -185,7 +185,8 @@ def latent_factors(weight: torch.Tensor, rank: int, covariance: torch.Tensor | N
         raise ValueError(f'rank must be within 1..{weight.shape[0]}, got {rank}')
     _, vectors = latent_spectrum(weight, covariance, row_scale)
     basis = vectors[:, :rank]
-    scale = torch.ones(weight.shape[0], dtype=torch.float64, device=weight.device) if row_scale is None else row_scale.double()
+    scale = (torch.ones(weight.shape[0], dtype=torch.float64, device=weight.device) if row_scale is None
+             else row_scale.double())
     down = basis.T @ (weight.double() * scale.unsqueeze(1))
     up = basis / scale.unsqueeze(1)
     return up, down

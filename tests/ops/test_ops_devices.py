@@ -64,7 +64,8 @@ def test_alignment_similarity_and_refit_maths(inputs):
         results = [gram, similarity.cka_from_gram(gram, HEADS),
                    similarity.best_match_cosine(caches.reshape(TOKENS, HEADS, DIM).transpose(0, 1))]
         for kind in ('key', 'value'):
-            results += [alignment.aligned_similarity(gram, HEADS, kind, criterion, TOKENS) for criterion in ('cos', 'dist')]
+            results += [alignment.aligned_similarity(gram, HEADS, kind, criterion, TOKENS)
+                        for criterion in ('cos', 'dist')]
             maps = alignment.group_maps(gram, partition, kind)
             assert isinstance(alignment.within_group_cosine(gram, partition, TOKENS, maps), float)
             head_q = torch.cat([q, q])  # MHA: one K and V head per query head
