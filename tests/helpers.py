@@ -105,10 +105,11 @@ def run_composer(nproc: int, recipe: Path, *overrides: str, log: Path, port: int
 
 def latest_checkpoint_batch(save_folder: Path) -> int | None:
     """The batch of the checkpoint ``latest-rank0.pt`` points to, or None before the first checkpoint."""
-    link = save_folder / 'latest-rank0.pt'
-    if not link.is_symlink():
+    try:  # Composer replaces the link at each save, so it can vanish between a check and a read: read it once
+        target = os.readlink(save_folder / 'latest-rank0.pt')
+    except OSError:  # no link yet, or it is being replaced
         return None
-    match = re.search(r'ba(\d+)', os.readlink(link))
+    match = re.search(r'ba(\d+)', target)
     return int(match.group(1)) if match else None
 
 
