@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Healing chain for any converted model (mean-pool / aligned GQA, AsymGQA, DHA, MLA; not MoH): closed-form refit to
-# the source, layer-wise attention transfer, end-to-end KL distillation, then optional continued pre-training.
+# Healing chain for any converted model (mean-pool / aligned GQA, AsymGQA, DHA, MLA in either format; not MoH):
+# closed-form refit to the source (done by the conversion itself for DeepSeek's format), layer-wise attention
+# transfer, end-to-end KL distillation, then optional continued pre-training.
 #   launch/heal.sh <source_hf> <converted_hf> <data_root> <save_root> [nproc] [transfer_recipe] [kl_recipe] [key=value ...]
 # key=value overrides go to every training stage. HEAL_NAME names the runs (default <converted folder name>);
 # REFIT_ARGS adds refit options (e.g. "--tokens 65536 --device cuda"); CT_RECIPE, when set, runs CT after KL.
@@ -21,7 +22,12 @@ DHA=${DHA_TRAIN:-dha-train}
 COMPOSER_CMD=${COMPOSER:-composer}
 
 REFIT="$SAVE/$NAME-refit"
-if [[ ! -f "$REFIT/config.json" ]]; then
+if grep -q '"model_type": *"deepseek_v3"' "$CONVERTED/config.json" 2>/dev/null; then
+  # `refit` has no DeepSeek-format fit: `convert --format deepseek` regresses kv_b_proj on the normed latent itself.
+  echo "heal: $CONVERTED is in DeepSeek's MLA format, whose conversion fits kv_b_proj in closed form" \
+       "(--latent-norm-fit regression, the default); attention transfer starts from it, with no refit stage"
+  REFIT="$CONVERTED"
+elif [[ ! -f "$REFIT/config.json" ]]; then
   # shellcheck disable=SC2086
   $DHA refit "$SOURCE" "$CONVERTED" "$REFIT" --data "$DATA" ${REFIT_ARGS:-}
 fi

@@ -221,6 +221,10 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
     if converted_json.get('model_type') == 'moh_llama':
         raise RefitError('refit: MoH keeps every K/V head of its source (it routes query heads), so there is no '
                          'compressed attention to refit; heal it with distillation instead')
+    if converted_json.get('model_type') == 'deepseek_v3':
+        raise RefitError('refit: a DeepSeek-format MLA folder is refitted by its conversion (`convert --format '
+                         'deepseek` regresses kv_b_proj on the normed latent, --latent-norm-fit regression, the '
+                         'default); heal it from attention transfer (launch/heal.sh skips the refit for it)')
     if converted_json.get('model_type') not in REFITTABLE:
         raise RefitError(f"refit: cannot refit a '{converted_json.get('model_type')}' model")
     if settings.tokens < 1:
