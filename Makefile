@@ -29,8 +29,9 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
+# --durations: the CI log lists the slowest tests, to keep the suite's time in view (docs/developing.md).
 test: lint docs
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=15
 
 # The torch 2.11 lane: the quick tests under the GPU image's torch (2.11) with the pinned Composer, streaming and
 # transformers 4.53 installed without their dependency checks (tests/requirements-torch211.txt). A separate target,
