@@ -24,6 +24,11 @@ COMPOSER_CMD=${COMPOSER:-composer}
 REFIT="$SAVE/$NAME-refit"
 if grep -q '"model_type": *"deepseek_v3"' "$CONVERTED/config.json" 2>/dev/null; then
   # `refit` has no DeepSeek-format fit: `convert --format deepseek` regresses kv_b_proj on the normed latent itself.
+  if [[ -n "${REFIT_ARGS:-}" ]]; then
+    echo "heal: REFIT_ARGS does not apply to $CONVERTED: a DeepSeek-format folder has no refit stage (its conversion" \
+         "is the refit; give convert more --tokens instead)" >&2
+    exit 2
+  fi
   echo "heal: $CONVERTED is in DeepSeek's MLA format, whose conversion fits kv_b_proj in closed form" \
        "(--latent-norm-fit regression, the default); attention transfer starts from it, with no refit stage"
   REFIT="$CONVERTED"

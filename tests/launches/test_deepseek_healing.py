@@ -41,6 +41,15 @@ def test_refit_names_the_conversion_as_the_refit_of_a_deepseek_folder(deepseek_e
     assert {path.name: path.read_bytes() for path in converted.iterdir()} == before
 
 
+def test_heal_sh_refuses_refit_options_for_a_deepseek_folder_before_any_run(deepseek_export, data_root, tmp_path):
+    source, converted = deepseek_export
+    done = subprocess.run(['bash', str(REPO / 'launch' / 'heal.sh'), str(source), str(converted), str(data_root),
+                           str(tmp_path / 'heal'), '2'], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env=launcher_env(REFIT_ARGS='--tokens 65536'))
+    assert done.returncode == 2 and 'REFIT_ARGS does not apply' in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / 'heal').exists()
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_heal_sh_trains_a_deepseek_export_from_transfer_with_two_processes(deepseek_export, data_root, tmp_path):
