@@ -133,6 +133,12 @@ def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides
     return latest_checkpoint_batch(save_folder)
 
 
+def logged(log: str, metric: str) -> list[float]:
+    """Every value of ``metric`` in a run's console log (Composer's ``<metric>: <value>`` lines), in order; e.g.
+    ``Train transfer/mse`` or ``metrics/eval_github/LanguageCrossEntropy``."""
+    return [float(value) for value in re.findall(rf'{re.escape(metric)}: ([0-9.e+-]+)', log)]
+
+
 def global_batches(samples: Path, first: int = 0, end: int = 10 ** 9) -> dict[int, list[str]]:
     """Batch index -> the sorted sample hashes of that global batch, over every rank, for batches in [first, end)."""
     batches: dict[int, list[str]] = {}

@@ -44,6 +44,14 @@ from dha_train.paths import refuse_nonempty, staged_folder
 
 REFIT_REPORT = 'refit.json'
 REFITTABLE = ('llama', 'dha_llama', 'mla_llama')
+# Converted models that have nothing for this command to do, and why (the message names what to run instead).
+NOT_REFITTED_HERE = {
+    'moh_llama': 'MoH keeps every K/V head of its source (it routes query heads), so there is no compressed '
+                 'attention to refit; heal it with distillation instead',
+    'deepseek_v3': 'a DeepSeek-format MLA folder is refitted by its conversion (`convert --format deepseek` regresses '
+                   'kv_b_proj on the normed latent, --latent-norm-fit regression, the default); heal it from '
+                   'attention transfer (launch/heal.sh skips the refit for it)',
+}
 # A converted query head whose per-pair B^T B differs from every source head's by more than this (relative) was not
 # made from that source.
 MATCH_TOLERANCE = 0.25
@@ -218,15 +226,11 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
     source_dir, converted_dir, out_dir = Path(source_dir), Path(converted_dir), Path(out_dir)
     check_model_folder(source_dir, who='refit (source)', model_types=('llama',))
     converted_json = check_model_folder(converted_dir, who='refit (converted)')
-    if converted_json.get('model_type') == 'moh_llama':
-        raise RefitError('refit: MoH keeps every K/V head of its source (it routes query heads), so there is no '
-                         'compressed attention to refit; heal it with distillation instead')
-    if converted_json.get('model_type') == 'deepseek_v3':
-        raise RefitError('refit: a DeepSeek-format MLA folder is refitted by its conversion (`convert --format '
-                         'deepseek` regresses kv_b_proj on the normed latent, --latent-norm-fit regression, the '
-                         'default); heal it from attention transfer (launch/heal.sh skips the refit for it)')
-    if converted_json.get('model_type') not in REFITTABLE:
-        raise RefitError(f"refit: cannot refit a '{converted_json.get('model_type')}' model")
+    model_type = converted_json.get('model_type')
+    if model_type in NOT_REFITTED_HERE:
+        raise RefitError(f'refit: {NOT_REFITTED_HERE[model_type]}')
+    if model_type not in REFITTABLE:
+        raise RefitError(f"refit: cannot refit a '{model_type}' model")
     if settings.tokens < 1:
         raise ConfigError(f'refit: --tokens must be >= 1, got {settings.tokens}')
     refuse_nonempty(out_dir, overwrite)

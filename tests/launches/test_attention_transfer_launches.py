@@ -4,7 +4,6 @@ healing chain (launch/heal.sh) runs on the quickstart teacher in tests/commands/
 
 from __future__ import annotations
 
-import re
 import shutil
 
 import pytest
@@ -15,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.export import export_hf
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, launch_and_kill_after_checkpoint, run_composer, save_tiny_llama
+from helpers import REPO, launch_and_kill_after_checkpoint, logged, run_composer, save_tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 RECIPE = REPO / 'yamls' / 'healing' / 'tiny_transfer.yaml'
@@ -27,10 +26,6 @@ def _overrides(models, data_root, save_root):
             f'variables.data_root={data_root}', f'variables.save_root={save_root}', f'variables.steps={BATCHES}ba',
             'save_interval=4ba', 'global_train_batch_size=8', 'device_train_microbatch_size=4',
             'console_log_interval=1ba', 'run_name=transfer']
-
-
-def _transfer_mse(log: str) -> list[float]:
-    return [float(value) for value in re.findall(r'Train transfer/mse: ([0-9.e+-]+)', log)]
 
 
 @pytest.fixture(scope='module')
@@ -54,7 +49,7 @@ def uninterrupted(models, data_root, tmp_path_factory):
 def test_two_process_transfer_lowers_the_layerwise_mse_and_exports_the_converted_class(uninterrupted, models,
                                                                                        tmp_path):
     save_root, log = uninterrupted
-    mse = _transfer_mse(log)
+    mse = logged(log, 'Train transfer/mse')
     assert len(mse) == BATCHES, log[-3000:]
     assert mse[-1] < 0.8 * mse[0]
     for layer in range(2):

@@ -4,7 +4,6 @@ real 2-process FSDP2 runs of transformers' own DeepseekV3ForCausalLM; the healed
 
 from __future__ import annotations
 
-import re
 import subprocess
 
 import pytest
@@ -14,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from dha_train.cli import main
 from dha_train.model_card import read_model_card
-from helpers import REPO, launcher_env, save_tiny_llama
+from helpers import REPO, launcher_env, logged, save_tiny_llama
 
 STEPS = 6
 
@@ -63,9 +62,9 @@ def test_heal_sh_trains_a_deepseek_export_from_transfer_with_two_processes(deeps
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert 'no refit stage' in done.stdout and not (tmp_path / 'heal' / 'ds-refit').exists()
-    mse = [float(value) for value in re.findall(r'Train transfer/mse: ([0-9.e+-]+)', log)]
+    mse = logged(log, 'Train transfer/mse')
     assert len(mse) == STEPS and mse[-1] < mse[0], mse
-    kl = [float(value) for value in re.findall(r'Train distill/kl: ([0-9.e+-]+)', log)]
+    kl = logged(log, 'Train distill/kl')
     assert len(kl) == STEPS, log[-3000:]
 
     healed = tmp_path / 'heal' / 'ds-kl-hf'

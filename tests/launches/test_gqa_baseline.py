@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import subprocess
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, launcher_env, save_tiny_llama
+from helpers import REPO, launcher_env, logged, save_tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -33,7 +32,7 @@ def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tok
 
     init = save_root / 'tiny-mha-gqa2-init'
     assert HeadMap.load(init / 'head_map.json').kv_budget_fraction() == 0.25
-    evals = [float(x) for x in re.findall(r'metrics/eval_github/LanguageCrossEntropy: ([0-9.]+)', log)]
+    evals = logged(log, 'metrics/eval_github/LanguageCrossEntropy')
     assert len(evals) == 2 and all(math.isfinite(v) for v in evals)
 
     exported = export_hf(save_root / 'tiny-mha-gqa2-ct', tmp_path / 'hf')

@@ -6,14 +6,13 @@ dha_train, giving the logits the project's class gives."""
 from __future__ import annotations
 
 import math
-import re
 import subprocess
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import REPO, launcher_env, logits_without_dha_train, save_tiny_llama
+from helpers import REPO, launcher_env, logged, logits_without_dha_train, save_tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -38,9 +37,9 @@ def test_convert_then_ct_with_two_processes_then_export_loads_without_the_packag
     assert init.model_type == 'mla_llama'
     cached = sum(init.mla_ranks) + 2 * 4 * 2 * 1  # latents + 1 rotated pair of each of the 4 K/V heads, 2 layers
     assert cached <= 0.5 * 2 * 2 * 4 * 8
-    evals = [float(x) for x in re.findall(r'metrics/eval_github/LanguageCrossEntropy: ([0-9.]+)', log)]
+    evals = logged(log, 'metrics/eval_github/LanguageCrossEntropy')
     assert len(evals) == 2 and all(math.isfinite(v) for v in evals) and evals[1] < evals[0], evals
-    kl = [float(x) for x in re.findall(r'distill/kl: ([0-9.e+-]+)', log)]
+    kl = logged(log, 'distill/kl')
     assert kl and all(math.isfinite(v) and v >= 0 for v in kl), log[-4000:]
 
     exported = export_hf(save_root / 'tiny-gqa-mla0.5-ct', tmp_path / 'hf')
