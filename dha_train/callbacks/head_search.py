@@ -19,6 +19,13 @@ and the omega-only form of Eq. 7 is logged and saved beside it. At the end of th
 3. ``out`` receives head_map.json (the Fusion stage's input), search.json, distances.pt, kv_heads.png (Fig. 8) and
    head_distance_{key,value}.png.
 
+``servable: true`` keeps the map to what serving engines take (llama.cpp's per-layer ``head_count_kv``, vLLM): in
+every layer plain GQA up to a permutation of the query heads. The DP then gives each layer one count for K and V
+together (priced at the K cost plus the V cost, spending two heads of the total), from the divisors of the source's
+K/V heads (so every group is the same size), and each layer's K and V share one partition, annealed on the mean of
+its K and V Eq. 6 distances, each matrix first scaled to a mean off-diagonal distance of one
+(``ops.budget.shared_kv_matrices``). The Fusion stage is unchanged.
+
 The accumulated distances are the callback's checkpoint state, so a resumed Search continues its averages.
 """
 
@@ -39,7 +46,15 @@ from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import hf_model
-from dha_train.ops.budget import allocate_kv_heads, fusion_loss_costs, group_at_allocation, whole_head_count
+from dha_train.ops.budget import (
+    allocate_kv_heads,
+    divisors,
+    fusion_loss_costs,
+    group_at_allocation,
+    reachable_totals,
+    totals_text,
+    whole_head_count,
+)
 from dha_train.ops.fusion import head_distances
 from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.plots import plot_head_similarity, plot_kv_allocation
@@ -57,13 +72,16 @@ def total_heads_for_budget(kv_budget: float, num_layers: int, num_heads: int) ->
 class HeadSearch(Callback):
     def __init__(self, out: str, kv_budget: float, interval: int = 1, start_batch: int = 0, restarts: int = 8,
                  steps: Optional[int] = None, seed: int = 0, allowed: Optional[list[int]] = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, servable: bool = False):
         if interval < 1 or start_batch < 0 or restarts < 1:
             raise ValueError('head_search: interval and restarts must be >= 1 and start_batch >= 0')
         if not 0 < kv_budget <= 1:
             raise ValueError(f'head_search: kv_budget must be in (0, 1], got {kv_budget}')
         self.out, self.kv_budget, self.interval, self.start_batch = Path(out), kv_budget, interval, start_batch
         self.restarts, self.steps, self.seed, self.allowed, self.overwrite = restarts, steps, seed, allowed, overwrite
+        if not isinstance(servable, bool):
+            raise ConfigError(f'head_search: servable must be true or false, got {servable!r}')
+        self.servable = servable
         self.records = 0
         self.weight_sum: Optional[torch.Tensor] = None  # (2L, H, H) float64: K of every layer, then V
         self.omega_sum: Optional[torch.Tensor] = None
@@ -84,9 +102,36 @@ class HeadSearch(Callback):
                              'whole duration')
         num_layers, num_heads = len(fusion.projections), fusion.projections[0][0].members.shape[0]
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
-        allocate_kv_heads(lambda *_: 0.0, num_layers, num_heads, total, allowed=self.allowed)  # reachable?
+        if self.servable:
+            self._check_servable(num_layers, num_heads, total)
+        else:
+            allocate_kv_heads(lambda *_: 0.0, num_layers, num_heads, total, allowed=self.allowed)  # reachable?
         self._fusion = fusion
         self._source = source_head_map(hf_model(state.model).config, 'head_search')
+
+    def _check_servable(self, num_layers: int, num_heads: int, total: int) -> None:
+        """A servable Search's counts divide the source's K/V heads, and its total is a sum of one such count per
+        layer, twice (K and V); otherwise a ConfigError names the budget, the reachable totals and the nearest
+        reachable budgets."""
+        counts = divisors(num_heads)
+        if self.allowed is not None:
+            unequal = sorted(set(int(c) for c in self.allowed) - set(counts))
+            if unequal:
+                raise ConfigError(f'head_search: servable: allowed counts {unequal} do not divide the source\'s '
+                                  f'{num_heads} K/V heads, so their groups would differ in size; use counts among '
+                                  f'{counts}')
+            counts = sorted({int(c) for c in self.allowed})
+        totals = reachable_totals(num_layers, counts, unit=2)
+        if total in totals:
+            return
+        whole = 2 * num_layers * num_heads
+        below, above = [t for t in totals if t < total][-1:], [t for t in totals if t > total][:1]
+        nearest = ' or '.join(f'{t / whole:.6g} ({t} heads)' for t in below + above)
+        raise ConfigError(
+            f'head_search: servable kv_budget {self.kv_budget} is {total} of the source\'s {whole} K+V heads '
+            f'({num_layers} layers x {num_heads} K and {num_heads} V heads), which no servable allocation reaches: '
+            f'every layer takes one count from {counts} for K and V together, so the reachable totals are '
+            f'{totals_text(totals)}; the nearest reachable kv_budget is {nearest}')
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._check(state)
@@ -145,14 +190,19 @@ class HeadSearch(Callback):
         total = total_heads_for_budget(self.kv_budget, num_layers, num_heads)
         layer_loss = (self.loss_sum / self.records).tolist()
         costs = fusion_loss_costs(layer_loss, num_heads, allowed=self.allowed)
-        allocation = allocate_kv_heads(costs, num_layers, num_heads, total, allowed=self.allowed)
+        allocation = allocate_kv_heads(costs, num_layers, num_heads, total, allowed=self.allowed,
+                                       shared=self.servable)
         key_partitions, value_partitions = group_at_allocation(-weight, allocation, restarts=self.restarts,
-                                                               steps=self.steps, seed=self.seed)
+                                                               steps=self.steps, seed=self.seed, shared=self.servable)
         head_map = HeadMap.from_source_partitions(self._source, key_partitions, value_partitions)
         if head_map.head_dim != head_dim:
             raise RuntimeError(f'head_search: head dim {head_map.head_dim} of the source vs {head_dim} of fusion')
+        problems = head_map.servable_problems()
+        if self.servable and problems:  # the source itself is not plain GQA (it is checked to be plain LLaMA)
+            raise RuntimeError(f'head_search: the servable Search made a map engines cannot serve: {problems}')
         return {
             'head_map': head_map.to_dict(), 'kv_budget': self.kv_budget, 'kv_heads_total': total,
+            'servable': self.servable, 'servable_problems': problems,
             'kv_budget_fraction_of_source': head_map.kv_budget_fraction_of(self._source),
             'kv_budget_fraction': head_map.kv_budget_fraction(), 'recorded_batches': self.records,
             'allocation': head_map.kv_heads(), 'allocation_costs': costs,

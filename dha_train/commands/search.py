@@ -23,7 +23,12 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
     search.add_argument('--measure', choices=MEASURES, default=defaults.measure,
                         help='similarity method: centred CKA over all tokens, or AsymGQA Eq. 1 on the subsample')
     search.add_argument('--shared-kv', dest='shared_kv', action='store_true',
-                        help='similarity method: one grouping for K and V (exports as plain HF GQA)')
+                        help='similarity method: one grouping for K and V (exports as plain HF GQA); with '
+                             '--allocation dp, one count per layer for K and V together')
+    search.add_argument('--servable', action='store_true',
+                        help='a map serving engines take (llama.cpp per-layer head_count_kv, vLLM): in every layer '
+                             'K and V grouped together in groups of equal size; implies --shared-kv; with '
+                             '--allocation dp, per-layer counts from the divisors of the source\'s K/V heads')
     search.add_argument('--data', default=None, help='calibration data: a `dha-train data prep` output root')
     search.add_argument('--split', default=defaults.split)
     search.add_argument('--tokens', type=int, default=defaults.tokens, help='calibration tokens')

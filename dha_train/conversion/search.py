@@ -11,7 +11,11 @@ Methods:
   equal groups by simulated annealing. K and V are grouped separately (a DHA map, served by the DHA model class)
   unless ``shared_kv``, which groups on their mean similarity (a GQA map that exports as plain HF LLaMA). With
   ``allocation='dp'`` the per-layer K and V counts come from one total budget by dynamic programming, the cost of a
-  count being the within-group dissimilarity (1 - S) of its best grouping.
+  count being the within-group dissimilarity (1 - S) of its best grouping; with ``shared_kv`` as well, each layer
+  gets one count for K and V together (priced on K plus V, spending two heads of the total), grouped on the mean.
+  ``servable`` asks for a map that serving engines take (in every layer plain GQA up to a permutation of the query
+  heads: K and V grouped together, groups of equal size): it implies ``shared_kv``, and the counts (uniform or by
+  DP) divide the source's K/V heads.
 - ``asym``: AsymGQA (seed 004): best-match cosine (Eq. 1) of K and V on a token subsample guides a fitness search
   (App. A, Alg. 2, or Alg. 1 with ``symmetric``) layer by layer from the first; the fitness of a grouping is minus
   the LM loss, on held-out calibration batches, of the model whose K/V heads of that layer are mean-pooled by it.
@@ -37,7 +41,14 @@ from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules, head_dim
-from dha_train.ops.budget import divisors, group_and_allocate, whole_head_count
+from dha_train.ops.budget import (
+    divisors,
+    group_and_allocate,
+    reachable_totals,
+    shared_kv_matrices,
+    totals_text,
+    whole_head_count,
+)
 from dha_train.ops.grouping import (
     Partition,
     anneal_equal_groups_batch,
@@ -68,6 +79,7 @@ class SearchSettings:
     allocation: str = 'uniform'
     measure: str = 'cka'  # similarity method: 'cka' (all N tokens) or 'best-match' (Eq. 1 on the subsample)
     shared_kv: bool = False
+    servable: bool = False  # a map engines serve: shared K/V groups of equal size (implies shared_kv)
     data: Optional[str] = None  # root written by `dha-train data prep`
     split: str = 'train'
     tokens: int = 16384  # calibration tokens
@@ -107,16 +119,24 @@ def _check_settings(settings: SearchSettings, num_layers: int, num_heads: int) -
         raise bad(f"unknown allocation '{settings.allocation}'; choose one of {', '.join(ALLOCATIONS)}")
     if (settings.kv_heads is None) == (settings.kv_budget is None):
         raise bad('give exactly one of kv_heads (per layer) and kv_budget (a fraction of the source K+V heads)')
+    if settings.servable and (settings.method == 'asym' and not settings.symmetric):
+        raise bad("servable needs groups of equal size; method 'asym' makes unequal ones unless symmetric")
     if settings.allocation == 'dp':
-        if settings.method != 'similarity' or settings.shared_kv:
-            raise bad("allocation 'dp' gives K and V their own per-layer counts: it needs method 'similarity' "
-                      'without shared_kv')
+        if settings.method != 'similarity':
+            raise bad("allocation 'dp' needs method 'similarity'")
         if settings.kv_budget is None:
             raise bad('allocation dp needs kv_budget (a fraction of the source K+V heads)')
         try:
-            whole_head_count(settings.kv_budget, 2 * num_layers * num_heads)
+            total = whole_head_count(settings.kv_budget, 2 * num_layers * num_heads)
         except ValueError as exc:
             raise bad(str(exc)) from exc
+        if shares_kv(settings):  # one count per layer for K and V: the total must be twice a sum of divisors
+            totals = reachable_totals(num_layers, divisors(num_heads), unit=2)
+            if total not in totals:
+                raise bad(f'kv_budget {settings.kv_budget} is {total} of the source\'s {2 * num_layers * num_heads} '
+                          f'K+V heads, which a shared K/V allocation cannot meet: every layer takes one count from '
+                          f'{divisors(num_heads)} for K and V together, so the reachable totals are '
+                          f'{totals_text(totals)}')
     else:
         count = per_layer_count(settings, num_heads)
         if settings.method == 'asym' and not settings.symmetric:
@@ -138,6 +158,11 @@ def _check_settings(settings: SearchSettings, num_layers: int, num_heads: int) -
     if settings.method == 'asym' and (settings.iterations < 0 or settings.fitness_batches < 1):
         raise bad(f'asym needs iterations >= 0 and fitness_batches >= 1, got {settings.iterations} and '
                   f'{settings.fitness_batches}')
+
+
+def shares_kv(settings: SearchSettings) -> bool:
+    """Whether K and V get one grouping per layer (``shared_kv``, or ``servable``, which implies it)."""
+    return settings.shared_kv or settings.servable
 
 
 def per_layer_count(settings: SearchSettings, num_heads: int) -> int:
@@ -182,21 +207,23 @@ def _dissimilarity_cost(similarity: torch.Tensor, partition: Partition) -> float
 def _group_by_similarity(key_sim: list[torch.Tensor], value_sim: list[torch.Tensor], settings: SearchSettings,
                          num_heads: int) -> tuple[list[Partition], list[Partition], dict]:
     num_layers = len(key_sim)
-    if settings.shared_kv:
-        shared = [(k + v) / 2 for k, v in zip(key_sim, value_sim)]
-        partitions = anneal_equal_groups_batch(torch.stack(shared), per_layer_count(settings, num_heads),
-                                               restarts=settings.restarts, steps=settings.steps, seed=settings.seed)
-        return partitions, partitions, {}
     matrices = torch.stack(key_sim + value_sim)
+    shared = shares_kv(settings)
     if settings.allocation == 'uniform':
+        if shared:  # CKA and cosine are scale-free: their plain mean
+            partitions = anneal_equal_groups_batch(shared_kv_matrices(matrices, normalise=False),
+                                                   per_layer_count(settings, num_heads), restarts=settings.restarts,
+                                                   steps=settings.steps, seed=settings.seed)
+            return partitions, partitions, {}
         partitions = anneal_equal_groups_batch(matrices, per_layer_count(settings, num_heads),
                                                restarts=settings.restarts, steps=settings.steps, seed=settings.seed)
         return partitions[:num_layers], partitions[num_layers:], {}
-    # dp: the best grouping at every allowed count, then the cheapest counts meeting the total exactly.
+    # dp: the best grouping at every allowed count, then the cheapest counts meeting the total exactly (shared: one
+    # count per layer for K and V, the grouping of their mean similarity priced on both).
     total = int(round(settings.kv_budget * 2 * num_layers * num_heads))
     key_partitions, value_partitions, costs = group_and_allocate(
         matrices, num_layers, num_heads, total, _dissimilarity_cost, restarts=settings.restarts, steps=settings.steps,
-        seed=settings.seed)
+        seed=settings.seed, shared=shared, normalise=False)
     return key_partitions, value_partitions, {'allocation_costs': costs}
 
 
@@ -361,6 +388,11 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
 
     # The groups are of the source's K/V heads; the map serves the query heads.
     head_map = HeadMap.from_source_partitions(source, key_partitions, value_partitions)
+    report['servable'] = settings.servable
+    report['servable_problems'] = head_map.servable_problems()
+    if settings.servable and report['servable_problems']:
+        raise RuntimeError(f'search: the servable search made a map engines cannot serve: '
+                           f'{report["servable_problems"]}')
     report['layers'] = []
     for layer in range(num_layers):
         entry = {'key_heads': len(key_partitions[layer]), 'value_heads': len(value_partitions[layer]),

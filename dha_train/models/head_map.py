@@ -261,6 +261,21 @@ class HeadMap:
         expected = HeadMap.gqa(1, self.num_query_heads, groups, self.head_dim).layers[0]
         return groups if all(layer == expected for layer in self.layers) else None
 
+    def servable_problems(self) -> list[str]:
+        """Why this map is not plain GQA up to a permutation of the query heads, which is all that serving engines
+        take per layer (llama.cpp's ``llama`` architecture with a per-layer ``head_count_kv``, vLLM): one line per
+        layer where K and V are grouped apart ('layer 4: K and V are grouped apart') or the shared groups differ in
+        size ('layer 7: groups of sizes [2, 1]'). Empty when every layer is servable; ``contiguous_permutation``
+        then gives the order of the query heads that makes every layer contiguous GQA."""
+        problems = []
+        for index, layer in enumerate(self.layers):
+            groups = layer.key_groups()
+            if sorted(groups) != sorted(layer.value_groups()):
+                problems.append(f'layer {index}: K and V are grouped apart')
+            elif len({len(group) for group in groups}) > 1:
+                problems.append(f'layer {index}: groups of sizes {[len(group) for group in groups]}')
+        return problems
+
     def check_fits(self, config) -> None:
         """Raise ``HeadMapError`` naming every mismatch when this map cannot serve a model of ``config``."""
         problems = []

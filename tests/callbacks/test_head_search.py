@@ -162,3 +162,95 @@ def test_search_refuses_bad_budgets_and_setups(tmp_path, data_root, tokenizer_di
     with pytest.raises(ValueError, match='warmup_groups: 1'):
         trainer.fit()
     trainer.close()
+
+
+def test_servable_search_shares_one_equal_grouping_per_layer_and_bakes_to_a_servable_model(tmp_path, data_root,
+                                                                                           tokenizer_dir):
+    """``servable: true``: every layer gets one count for K and V (the DP on K + V cost, 2 heads per unit) and one
+    partition, so engines serve it as per-layer GQA after a permutation of the query heads. Removing the
+    constraint gives the map of the first test, whose K and V counts differ. Fusion from the map bakes to a DHA
+    model that computes what the fusion model computes."""
+    import copy
+
+    from composer.loggers import InMemoryLogger
+    from transformers import LlamaForCausalLM
+
+    from dha_train.algorithms.head_fusion import HeadFusion
+    from dha_train.config import load_config
+    from dha_train.methods import export_model
+    from dha_train.models.modeling_dha import DhaLlamaForCausalLM
+    from dha_train.train import train
+
+    out = tmp_path / 'search'
+    recipe = search_recipe(tmp_path, data_root, tokenizer_dir, out, servable=True)
+    memory = InMemoryLogger()
+    train(load_config(recipe), extra_loggers=[memory]).close()
+
+    head_map = HeadMap.load(out / 'head_map.json')
+    report = json.loads((out / 'search.json').read_text())
+    assert report['servable'] is True and report['servable_problems'] == [] == head_map.servable_problems()
+    counts = head_map.kv_heads()
+    assert all(layer.key == layer.value for layer in head_map.layers)  # K and V grouped together ...
+    assert all(len({len(g) for g in layer.key_groups()}) == 1 for layer in head_map.layers)  # ... equally
+    assert sum(k + v for k, v in counts) == 12 and all(k == v for k, v in counts)
+    # The counts are the shared DP's answer on the summed K and V fusion losses; 12 heads over 2 layers from the
+    # divisors of 8 leave (2, 4) or (4, 2): the layers differ, the higher summed loss keeping 4.
+    losses = [(layer['key_fusion_loss'], layer['value_fusion_loss']) for layer in report['layers']]
+    assert allocate_kv_heads(fusion_loss_costs(losses, HEADS), 2, HEADS, 12, shared=True) == counts
+    assert counts[0] != counts[1]
+    assert (counts[0][0] > counts[1][0]) == (sum(losses[0]) > sum(losses[1]))
+    # Layer 1's shared groups keep its planted V clusters apart (its K heads are unrelated: no pull either way).
+    assert all(len({head % 2 for head in group}) == 1 for group in head_map.layers[1].key_groups())
+    # per layer, a permutation of the query heads turns it into contiguous GQA
+    permuted = head_map.permuted(head_map.contiguous_permutation())
+    for layer, (keys, _) in zip(permuted.layers, counts):
+        assert layer == HeadMap.gqa(1, HEADS, keys, head_map.head_dim).layers[0]
+    assert memory.data['search/layer1/value_heads'][-1][1] == counts[1][1]
+
+    # Fusion from the map (unchanged), omegas agreeing within the groups, bakes to the same function.
+    source = LlamaForCausalLM.from_pretrained(recipe['model']['pretrained_path']).eval()
+    algorithm = HeadFusion(head_map=str(out / 'head_map.json'))
+    algorithm.apply_surgery(source)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for pair in algorithm.projections:
+            for projection in pair:
+                omega = torch.rand(projection.omega.shape, generator=generator)
+                for row in projection.members.tolist():
+                    omega[row] = omega[row].mean(dim=0)
+                projection.omega.copy_(omega)
+        reference = source(ids).logits
+    config, weights = export_model(copy.deepcopy(source.config), source.state_dict())
+    exported = HeadMap.from_hf_config(config)
+    assert exported == head_map and exported.servable_problems() == []
+    dha = DhaLlamaForCausalLM(config).eval()
+    dha.load_state_dict(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
+
+
+def test_servable_search_refuses_budgets_it_cannot_meet(tmp_path, data_root, tokenizer_dir):
+    from dha_train.callbacks.head_search import HeadSearch
+    from dha_train.config import ConfigError, load_config
+    from dha_train.train import build_trainer
+
+    # 14 of 32 heads: 7 per kind, but one count per layer from {1, 2, 4, 8} sums to 6 or 8, never 7
+    recipe = search_recipe(tmp_path, data_root, tokenizer_dir, tmp_path / 'a', kv_budget=0.4375, servable=True)
+    trainer = build_trainer(load_config(recipe))
+    with pytest.raises(ConfigError, match=r'servable kv_budget 0.4375 is 14 of the source\'s 32 K\+V heads.*'
+                                          r'reachable totals are 4 to 12 in steps of 2, 16 to 20 in steps of 2, 24, '
+                                          r'32; the nearest reachable kv_budget is 0.375 \(12 heads\) or 0.5 \(16'):
+        trainer.fit()
+    trainer.close()
+    assert not (tmp_path / 'a').exists()
+    # SmolLM2's shape, 30 layers of 3 K/V heads: counts 1 or 3, so an odd total, or half the cache, is unreachable
+    search = HeadSearch(str(tmp_path / 'b'), kv_budget=0.5, servable=True)
+    for total in (89, 90):
+        with pytest.raises(ConfigError, match=rf'{total} of the source\'s 180 K\+V heads.*60 to 180 in steps of 4'):
+            search._check_servable(30, 3, total)
+    search._check_servable(30, 3, 120)  # kv2: 15 layers keep 3 heads, 15 keep 1
+    with pytest.raises(ConfigError, match=r'allowed counts \[2\] do not divide the source\'s 3 K/V heads'):
+        HeadSearch(str(tmp_path / 'b'), kv_budget=0.5, servable=True, allowed=[1, 2])._check_servable(30, 3, 120)
+    with pytest.raises(ConfigError, match='servable must be true or false'):
+        HeadSearch(str(tmp_path / 'b'), kv_budget=0.5, servable='yes')

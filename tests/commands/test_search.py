@@ -110,3 +110,37 @@ def test_neighbour_needs_no_data_and_bad_requests_fail_early(tmp_path, data_root
     assert search(tmp_path / 'mha', tmp_path / 'x', '--kv-heads', 2, '--data', data_root, '--tokens', 10 ** 7) == 2
     assert 'calibration asked for 10000000 tokens' in capsys.readouterr().err
     assert not (tmp_path / 'x').exists()
+
+
+@pytest.mark.parametrize('query_heads', [HEADS, 16])
+def test_servable_dp_search_shares_k_and_v_with_per_layer_counts(tmp_path, data_root, capsys, query_heads):
+    """``--servable --allocation dp``: the shared K/V grouping of ``--shared-kv`` with one count per layer from the
+    divisors of the source's K/V heads (8, also under 16 query heads), K and V priced together; every layer is
+    plain GQA after a permutation of the query heads. Budgets it cannot meet fail before any calibration."""
+    from dha_train.ops.budget import allocate_kv_heads
+
+    planted_mha(tmp_path / 'src', query_heads=query_heads)
+    out = tmp_path / 'search'
+    assert search(tmp_path / 'src', out, '--method', 'similarity', '--kv-budget', 0.375, '--allocation', 'dp',
+                  '--servable', '--data', data_root, '--tokens', 512) == 0
+    head_map = HeadMap.load(out / 'head_map.json')
+    report = json.loads((out / 'search.json').read_text())
+    assert report['servable'] is True and report['servable_problems'] == [] == head_map.servable_problems()
+    assert all(layer.key == layer.value for layer in head_map.layers)
+    counts = head_map.kv_heads()
+    assert sum(k + v for k, v in counts) == 12 and all(k == v and HEADS % k == 0 for k, v in counts)
+    # the counts are the shared DP's on the report's cost table (the K and V cost of each layer's shared grouping)
+    costs = [[{int(count): value for count, value in kind.items()} for kind in layer]
+             for layer in report['allocation_costs']]
+    assert allocate_kv_heads(costs, LAYERS, HEADS, 12, shared=True) == counts
+    assert head_map.num_query_heads == query_heads
+    head_map.source_partitions(HeadMap.gqa(LAYERS, query_heads, HEADS, HEAD_DIM))  # whole source heads only
+
+    capsys.readouterr()
+    assert search(tmp_path / 'src', tmp_path / 'x', '--kv-budget', 0.4375, '--allocation', 'dp', '--servable',
+                  '--data', data_root) == 2
+    assert 'reachable totals are 4 to 12 in steps of 2, 16 to 20 in steps of 2, 24, 32' in capsys.readouterr().err
+    assert search(tmp_path / 'src', tmp_path / 'x', '--method', 'asym', '--kv-heads', 2, '--servable',
+                  '--data', data_root) == 2
+    assert 'servable needs groups of equal size' in capsys.readouterr().err
+    assert not (tmp_path / 'x').exists()

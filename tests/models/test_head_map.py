@@ -58,3 +58,23 @@ def test_contiguous_permutation_makes_shared_groups_contiguous():
     uniform = HeadMap.from_partitions([[[0, 5], [1, 3], [2, 4], [6, 7]]], 8, 8).permuted(
         HeadMap.from_partitions([[[0, 5], [1, 3], [2, 4], [6, 7]]], 8, 8).contiguous_permutation())
     assert uniform.uniform_gqa_groups() == 4
+
+
+def test_servable_problems_name_each_layer_engines_cannot_serve():
+    """Engines take, per layer, plain GQA up to a permutation of the query heads: K and V grouped together, in
+    groups of one size. Each other layer is named with its problem."""
+    assert HeadMap.mha(2, 4, 8).servable_problems() == []
+    assert HeadMap.gqa(2, 9, 3, 8).servable_problems() == []
+    # per-layer counts and scattered (non-contiguous) groups are servable: a permutation makes them contiguous
+    per_layer = HeadMap.from_partitions([[[0, 5], [1, 3], [2, 4], [6, 7]], [list(range(8))]], 8, 8)
+    assert per_layer.servable_problems() == []
+    assert per_layer.permuted(per_layer.contiguous_permutation()).layers[0] == HeadMap.gqa(1, 8, 4, 8).layers[0]
+    dha = HeadMap.dha([[[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0, 2], [1, 3]]],
+                      [[[0, 2], [1, 3]], [[0, 1, 2], [3]], [[1, 3], [0, 2]]], 4, 8)
+    assert dha.servable_problems() == ['layer 0: K and V are grouped apart', 'layer 1: groups of sizes [3, 1]']
+    # the same groups numbered differently are not apart
+    assert HeadMap.from_dict({'head_dim': 8, 'layers': [{'key': [0, 1, 0, 1], 'value': [1, 0, 1, 0]}]}
+                             ).servable_problems() == []
+    # a GQA source's pooled map to 2 of 3 heads: unequal runs {0, 1}, {2} (query groups of 6 and 3)
+    pooled = HeadMap.pooled(HeadMap.gqa(1, 9, 3, 8), 2)
+    assert pooled.servable_problems() == ['layer 0: groups of sizes [6, 3]']
