@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from dha_train.commands.bench.real import RealSettings, run_real_bench
 from dha_train.harness import LOCAL_TASK, build_local_task
 from dha_train.methods import kv_cache_bytes
+from dha_train.models.head_map import HeadMap
 from helpers import SEQ_LEN, write_redpajama_jsonl
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 8
@@ -77,8 +78,8 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
         assert row['kv_bytes'] == expected[row['budget']], row['label']
     methods = {(row['method'], row['budget']) for row in results['rows']}
     assert methods >= {('mean_pool', 'kv1'), ('mean_pool', 'kv2'), ('aligned_gqa', 'kv1'), ('asym_gqa', 'kv1'),
-                       ('asym_gqa', 'kv2'), ('dha', 'kv1'), ('dha', 'kv2'), ('mla', 'kv1'), ('mla', 'kv2'),
-                       ('moh', None)}
+                       ('asym_gqa', 'kv2'), ('dha', 'kv1'), ('dha', 'kv2'), ('dha_servable', 'kv1'),
+                       ('dha_servable', 'kv2'), ('mla', 'kv1'), ('mla', 'kv2'), ('moh', None)}
     # aligned GQA needs equal groups: 2 of 3 source heads is skipped, with the reason
     skipped = [s for s in results['skipped'] if s['method'] == 'aligned_gqa']
     assert [s['budget'] for s in skipped] == ['kv2'] and 'equal groups' in skipped[0]['reason']
@@ -97,6 +98,17 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     # DHA's 0-token point is its Search map mean-pooled: at kv1 that is the mean-pool model
     assert rows['DHA kv1 @0']['same_as'] == 'mean-pool kv1 @0' and rows['DHA kv2 @0']['tokens'] == 0
     assert rows['DHA kv2 @0']['kv_bytes'] == expected['kv2']
+    # the servable DHA: at kv1 DHA's only map, so DHA's rows; at kv2 one count per layer for K and V, from {1, 3}
+    assert rows['DHA-servable kv1 @0']['same_as'] == 'DHA kv1 @0'
+    assert rows['DHA-servable kv1 post-fusion']['val_loss'] == rows['DHA kv1 post-fusion']['val_loss']
+    found = json.loads(next((tmp_path / 'bench' / 'runs').glob('*/dha-servable-kv2-search/DONE.json')).read_text())
+    servable = HeadMap.load(found['head_map'])
+    assert found['searched'] and servable.servable_problems() == []
+    assert sorted(servable.kv_heads()) == [(1, 1), (3, 3)]  # 8 of the 12 K+V heads: one layer keeps 3, one 1
+    assert [tuple(c) for c in rows['DHA-servable kv2 post-fusion']['kv_heads_per_layer']] == servable.kv_heads()
+    labels = [row['label'] for row in results['rows']]
+    assert labels.index('DHA kv2 +CT' if 'DHA kv2 +CT' in rows else 'DHA kv2 post-fusion') \
+        < labels.index('DHA-servable kv2 @0') < labels.index('MLA kv2 @0')
 
     # the teacher's accuracy, computed independently of lm-eval, on the same first `limit` documents
     acc, acc_norm = _local_task_accuracy(source, task, limit)

@@ -25,6 +25,11 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
   baked; then CT for the rest of the budget. The 0-token point is the Search's groups mean-pooled (what Fusion
   starts from: every query head reads its own head, which bakes to the group mean); the next is after fusion,
   whose tokens count as training tokens;
+- servable DHA (``dha_servable``): the same stages with the Search's ``servable`` option (``head_search``
+  ``servable: true``): in every layer one count for K and V from the divisors of the 3 source heads (1 or 3; at
+  ``kv2`` half the layers keep 3 and half 1) and one shared grouping, so engines serve it as per-layer GQA. At
+  ``kv1`` its only map is DHA's (one head per layer, Search skipped), so it reuses DHA's rows (``same_as``) when
+  DHA ran in the same invocation, and DHA's stages otherwise;
 - MLA: ``convert --method mla`` at the budget's cache bytes (4 of 32 RoPE pairs per K/V head kept, pairs by the
   calibrated 2-norm criterion, activation-aware joint K/V latent, ranks from the spectra), then CT;
 - MLA in DeepSeek's format (``convert --method mla --format deepseek``: transformers' own ``DeepseekV3ForCausalLM``)
@@ -90,7 +95,7 @@ from dha_train.paths import recipe_path
 from dha_train.stages import Stage, train_stage, train_tokens
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
-METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla', 'mla_deepseek', 'moh')
+METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable', 'mla', 'mla_deepseek', 'moh')
 BUDGETS = ('kv1', 'kv2')
 SOURCE = 'smollm2-135m'
 HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
@@ -546,9 +551,30 @@ class _Bench:
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
 
     def dha(self, budget: str) -> None:
+        self._dha(budget, servable=False)
+
+    def dha_servable(self, budget: str) -> None:
+        """DHA whose Search keeps every layer servable (``head_search`` ``servable: true``). With one head per layer
+        there is one map only, DHA's: its rows are reused when DHA ran here, else its stages (the same names)."""
+        if _heads(budget) == 1:
+            same = [row for row in self.rows if row['method'] == 'dha' and row['budget'] == budget]
+            if same:
+                for row in same:
+                    self.rows.append({**row, 'label': row['label'].replace('DHA ', 'DHA-servable ', 1),
+                                      'method': 'dha_servable', 'same_as': row['label'],
+                                      'note': 'one K and one V head per layer: the only map, DHA\'s, which is '
+                                              'servable; the same model, so DHA\'s figures are reused'})
+                self.skipped.extend({**entry, 'method': 'dha_servable'} for entry in list(self.skipped)
+                                    if entry['method'] == 'dha' and entry['budget'] == budget)
+                return
+        self._dha(budget, servable=True)
+
+    def _dha(self, budget: str, servable: bool) -> None:
         heads = _heads(budget)
         s = self.settings
-        name = f'dha-{budget}'
+        # at one head per layer both Searches are skipped with the same map: the servable DHA shares DHA's stages
+        name = f'dha-servable-{budget}' if servable and heads > 1 else f'dha-{budget}'
+        method, title = ('dha_servable', 'DHA-servable') if servable else ('dha', 'DHA')
         num_source = self.source_map.layers[0].num_key_heads
         fraction = heads / num_source
 
@@ -561,14 +587,15 @@ class _Bench:
                         'note': 'a budget of 1/3 of 3 heads leaves one grouping (one K and one V head per layer): '
                                 'no Search run'}
             trainer, config, _ = train_stage('real/dha_search.yaml', self.overrides(
-                name, s.search_batches, model_path=self.source, kv_budget=fraction, out=out / 'search'), None)
+                name, s.search_batches, model_path=self.source, kv_budget=fraction, out=out / 'search',
+                servable=str(servable).lower()), None)
             shutil.rmtree(Path(config.save_folder), ignore_errors=True)
             head_map = HeadMap.load(out / 'search' / 'head_map.json')
             return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
                     'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
 
         found = self.stage(self.runs, f'{name}-search', search)
-        self._dha_start(name, budget, found)
+        self._dha_start(name, budget, found, method, title)
         margin = max(1, self.batches // 4)
 
         def fusion(out: Path) -> dict:
@@ -589,11 +616,11 @@ class _Bench:
                  'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
                  'final_fusion_loss': fused['final_fusion_loss']}
         seconds = found['seconds'] + fused['seconds']
-        self.evaluate(f'DHA {budget} post-fusion', 'dha', budget, fused['hf_folder'], fused['tokens'], seconds,
+        self.evaluate(f'{title} {budget} post-fusion', method, budget, fused['hf_folder'], fused['tokens'], seconds,
                       **extra)
         remaining = self.batches - fused['batches']
         if remaining <= 0:
-            self.skipped.append({'method': 'dha', 'budget': budget, 'reason': (
+            self.skipped.append({'method': method, 'budget': budget, 'reason': (
                 'fusion used the whole token budget (it did not reach the threshold earlier), so no CT: the '
                 'post-fusion point is DHA\'s point at the common budget')})
             return
@@ -607,30 +634,31 @@ class _Bench:
             return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
 
         trained = self.stage(self.runs, f'{name}-ct', ct)
-        self.evaluate(f'DHA {budget} +CT', 'dha', budget, trained['hf_folder'], fused['tokens'] + trained['tokens'],
-                      seconds + trained['seconds'], ct_tokens=trained['tokens'], **extra)
+        self.evaluate(f'{title} {budget} +CT', method, budget, trained['hf_folder'],
+                      fused['tokens'] + trained['tokens'], seconds + trained['seconds'], ct_tokens=trained['tokens'],
+                      **extra)
 
-    def _dha_start(self, name: str, budget: str, found: dict) -> None:
+    def _dha_start(self, name: str, budget: str, found: dict, method: str = 'dha', title: str = 'DHA') -> None:
         """DHA at 0 tokens: Fusion's start bakes to the mean of each Search group, so it is the Search's map
         mean-pooled; when that map is mean-pool's own, the mean-pool row is the same model and is reused."""
         head_map = HeadMap.load(found['head_map'])
-        label = f'DHA {budget} @0'
+        label = f'{title} {budget} @0'
         pooled = HeadMap.pooled(self.source_map, _heads(budget)).source_partitions(self.source_map)
         same = [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget
                 and row['tokens'] == 0]
         if _same_partitions(head_map.source_partitions(self.source_map), pooled) and same:
-            self.rows.append({**same[0], 'label': label, 'method': 'dha', 'same_as': same[0]['label'],
+            self.rows.append({**same[0], 'label': label, 'method': method, 'same_as': same[0]['label'],
                               'note': 'the Search\'s map is the mean-pool map: the same model at 0 tokens'})
             for row in [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget
                         and row.get('stage')]:
-                self.rows.append({**row, 'label': row['label'].replace('mean-pool', 'DHA'), 'method': 'dha',
+                self.rows.append({**row, 'label': row['label'].replace('mean-pool', title), 'method': method,
                                   'same_as': row['label'], 'note': 'healing the same 0-token model as mean-pool'})
             return
         converted = self.stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
             self.source, out / 'hf', head_map, overwrite=True))})
         seconds = found['seconds'] + converted['seconds']
-        self.evaluate(label, 'dha', budget, converted['hf_folder'], 0, seconds, kv_heads_per_layer=found['kv_heads'])
-        self.heal(name, f'DHA {budget}', 'dha', budget, converted['hf_folder'], seconds,
+        self.evaluate(label, method, budget, converted['hf_folder'], 0, seconds, kv_heads_per_layer=found['kv_heads'])
+        self.heal(name, f'{title} {budget}', method, budget, converted['hf_folder'], seconds,
                   kv_heads_per_layer=found['kv_heads'])
 
     def mla(self, budget: str) -> None:
@@ -766,14 +794,14 @@ def _print_table(results: dict) -> None:
     print()
     print(f'{results["source"]["name"]}: every method at two K+V budgets of the source cache; '
           f'accuracy on the first {results["settings"]["limit"]} docs per task (0-shot), val loss on held-out text')
-    header = (f'  {"row":<26} {"KV MiB":>7} {"%src":>5} {"tokens":>9} {"val loss":>8} '
+    header = (f'  {"row":<28} {"KV MiB":>7} {"%src":>5} {"tokens":>9} {"val loss":>8} '
               + ' '.join(f'{short.get(t, t)[:6]:>6}' for t in tasks) + f' {"mean":>6} {"wall s":>7} {"eval s":>6}')
     print(header)
     for row in results['rows']:
         accuracy = ' '.join(f'{row["accuracy"][t]:>6.3f}' if row['accuracy'].get(t) is not None else f'{"-":>6}'
                             for t in tasks)
         mean = f'{row["mean_accuracy"]:>6.3f}' if row['mean_accuracy'] is not None else f'{"-":>6}'
-        print(f'  {row["label"]:<26} {row["kv_bytes"] / 2 ** 20:>7.1f} {row["kv_fraction_of_source"]:>5.0%} '
+        print(f'  {row["label"]:<28} {row["kv_bytes"] / 2 ** 20:>7.1f} {row["kv_fraction_of_source"]:>5.0%} '
               f'{row["tokens"]:>9,} {row["val_loss"]:>8.4f} {accuracy} {mean} {row["wall_s"]:>7.0f} '
               f'{row["eval_s"]:>6.0f}' + ('  (= ' + row['same_as'] + ')' if row.get('same_as') else ''))
     for skipped in results['skipped']:
