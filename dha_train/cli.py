@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "or mla_deepseek HF folder -> one GGUF file that llama.cpp (llama-server, ollama) serves with its "
                     'smaller cache'),
     'bench': ('bench', 'benchmarks of the methods (throughput, conversion, moh, search, load, gqa-memory, mla, '
-              'decode, real) -> a printed table and results.json'),
+              'decode, real, serve) -> a printed table and results.json'),
 }
 
 

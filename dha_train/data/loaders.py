@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -194,3 +195,19 @@ def closing_batches(loader, before: set[int]):
         if iterator is not None:
             iterator.exit()
         release_shared_memory_since(before)
+
+
+def split_sequences(root: str | Path, domain: str, split: str) -> list[np.ndarray]:
+    """Every packed sample of one domain's split, in shard order, read straight from its MDS shards (no streaming
+    dataset, no shared memory): for scoring fixed text outside a training loop (``bench serve``'s held-out loss)."""
+    from streaming.base.format import reader_from_json
+
+    local = _split_dir(str(root), domain, split)
+    index = local / 'index.json'
+    if not index.is_file():
+        raise FileNotFoundError(f'no MDS split at {local} (expected {index})')
+    sequences = []
+    for shard in json.loads(index.read_text())['shards']:
+        reader = reader_from_json(str(local.parent), split, shard)
+        sequences.extend(np.asarray(reader.get_item(i)[TOKENS_COLUMN]) for i in range(reader.samples))
+    return sequences

@@ -10,6 +10,8 @@
 - ``mla``: one decode step's attention over the MLA latent cache against MHA and GQA at the same cache bytes;
 - ``decode``: decode attention time and end-to-end decode tokens/s of MHA, GQA, DHA at 50% and 25% (grouped decode,
   and the expanded path for the before/after), MLA at GQA's bytes and MoH at 75%, on CPU or a GPU;
+- ``serve``: the models ``real`` made, exported to GGUF and served by llama.cpp: K/V MiB, prompt and decode tokens/s
+  against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time.
 """
@@ -34,6 +36,7 @@ from dha_train.commands.bench.real import METHODS as REAL_METHODS
 from dha_train.commands.bench.real import TASKS as REAL_TASKS
 from dha_train.commands.bench.real import RealSettings, run_real_bench
 from dha_train.commands.bench.search import run_search_bench
+from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
 
 
@@ -187,6 +190,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
+    serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU: KV MiB, prompt and "
+                             'decode tokens/s against the source, held-out loss from llama.cpp\'s logits')
+    defaults = ServeSettings()
+    serve.add_argument('--real', default=defaults.real, help='a `dha-train bench real` folder (default: bench_real)')
+    serve.add_argument('--out', default=defaults.out, help='folder for the GGUF files, results.json and the plots')
+    serve.add_argument('--contexts', nargs='+', type=int, default=defaults.contexts)
+    serve.add_argument('--outtypes', nargs='+', default=defaults.outtypes, choices=['f32', 'f16', 'bf16', 'q8_0'])
+    serve.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=defaults.decode_tokens)
+    serve.add_argument('--repeats', type=int, default=defaults.repeats, help='timing rounds (best reported)')
+    serve.add_argument('--threads', type=int, default=None, help='llama.cpp threads (default: every core)')
+    serve.add_argument('--no-loss', dest='loss', action='store_false', help='leave out the held-out losses')
+    serve.set_defaults(func=run_serve)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -236,6 +251,11 @@ def run_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings(**{name: getattr(args, name) for name in DecodeSettings.__dataclass_fields__
                                  if name != 'seed'})
     run_decode_bench(settings, out=args.out)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    run_serve_bench(ServeSettings(**{name: getattr(args, name) for name in ServeSettings.__dataclass_fields__}))
     return 0
 
 
