@@ -84,7 +84,7 @@ class LlamaCppModel:
     """A GGUF file loaded in llama.cpp on the CPU."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 2048, threads: int | None = None, all_logits: bool = False,
-                 n_batch: int = 512, cache_type: str = 'f16', flash_attention: bool = True):
+                 n_batch: int = 512, cache_type: str = 'f16', flash_attention: bool = True, vocab_only: bool = False):
         global _CALLBACK
         llama_cpp = require_llama_cpp()
         path = Path(path)
@@ -99,7 +99,7 @@ class LlamaCppModel:
             self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                        n_threads=threads, n_threads_batch=threads, logits_all=all_logits,
                                        type_k=types[cache_type], type_v=types[cache_type],
-                                       flash_attn=flash_attention, verbose=False, seed=0)
+                                       flash_attn=flash_attention, vocab_only=vocab_only, verbose=False, seed=0)
         except ValueError as exc:  # llama-cpp-python's wording for a file the loader refused
             log = ''.join(_LOG[start:]).strip().splitlines()
             reason = next((line for line in reversed(log) if 'error' in line.lower()), log[-1] if log else '')

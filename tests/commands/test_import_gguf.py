@@ -145,6 +145,31 @@ def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported,
 
 @needs_smollm2
 @pytest.mark.slow
+def test_the_imported_folder_exported_to_gguf_tokenizes_as_its_hf_tokenizer_in_llama_cpp(imported, tmp_path):
+    """SmolLM2's real 49,152-token vocabulary through `export-gguf` into llama.cpp: the same ids for every line of
+    mixed text (code, prose, digits, non-ASCII), the same BOS handling, and the chat template the GGUF shipped."""
+    from transformers import AutoTokenizer
+
+    from dha_train.cli import main as cli_main
+    from dha_train.llama_cpp_engine import LlamaCppModel
+    from helpers import mixed_text_lines
+
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    shipped = gguf.GGUFReader(_bundled_gguf()).fields['tokenizer.chat_template'].contents()
+    assert tokenizer.chat_template == shipped  # import-gguf keeps it (transformers' GGUF loader drops it)
+    out = tmp_path / 'smollm2.gguf'
+    assert cli_main(['export-gguf', str(imported), str(out), '--outtype', 'q8_0']) == 0
+    assert gguf.GGUFReader(out).fields['tokenizer.chat_template'].contents() == shipped
+    with LlamaCppModel(out, vocab_only=True) as engine:
+        lines = mixed_text_lines()
+        assert [line for line in lines if engine.tokenize(line) != tokenizer(line, add_special_tokens=False)['input_ids']
+                ] == []
+        text = '\n'.join(lines)
+        assert engine.tokenize(text, add_special=True) == tokenizer(text)['input_ids']
+
+
+@needs_smollm2
+@pytest.mark.slow
 def test_imported_model_knows_a_fact(reloaded):
     """A real model, not noise: greedy decoding completes "The capital of Italy is" with " Rome."."""
     model, tokenizer = reloaded
