@@ -301,3 +301,40 @@ def mixed_text_lines() -> list[str]:
                '日本語のテキストです', '中文分词测试', '한국어 문장', 'emoji 🎉🚀 and ✓ ✗', 'tab\tseparated\tcolumns',
                '  leading and trailing spaces  ', 'mixed: naïve 42 日本 🎉 code()']
     return code + prose + digits * 3 + foreign * 3
+
+
+def folder_snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder`` (hidden ones too, so a left-behind staging file shows): size and sha256."""
+    import hashlib
+
+    return {str(p): (f'{p.stat().st_size} {hashlib.sha256(p.read_bytes()).hexdigest()}' if p.is_file() else 'folder')
+            for p in sorted(Path(folder).rglob('*'))}
+
+
+def refused_in_one_line(argv: list[str], folder: Path, capfd) -> str:
+    """Run ``dha-train`` with ``argv``; assert exit 2, one ``dha-train: error:`` line, no traceback, and ``folder``
+    unchanged (no output, no staging file or folder left behind). Returns the line."""
+    from dha_train.cli import main
+
+    before = folder_snapshot(folder)
+    capfd.readouterr()
+    status = main(argv)
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert 'Traceback' not in out + err
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith('dha-train: error: '), err
+    assert folder_snapshot(folder) == before
+    return lines[0]
+
+
+def set_grouped_random_omega(projections, seed: int = 5) -> None:
+    """Random fusion weights that agree within every group (what Fusion converges to), in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pair in projections:
+            for projection in pair:
+                omega = torch.rand(projection.omega.shape, generator=generator)
+                for row in projection.members.tolist():
+                    omega[row] = omega[row].mean(dim=0)
+                projection.omega.copy_(omega)

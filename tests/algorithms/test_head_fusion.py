@@ -12,7 +12,7 @@ from dha_train.algorithms.head_fusion import OMEGA_GROUP, HeadFusion
 from dha_train.models.fusion import FusedProjection
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.fusion import group_members
-from helpers import TINY_MAP, fusion_recipe
+from helpers import TINY_MAP, fusion_recipe, set_grouped_random_omega
 
 
 def tiny_mha() -> LlamaForCausalLM:
@@ -152,14 +152,8 @@ def test_fusion_from_a_gqa_source_equals_it_at_init_and_bakes_to_the_map(tmp_pat
         torch.testing.assert_close(fused(ids).logits, gqa(ids).logits, rtol=0, atol=1e-5)
     if options == 'warmup':
         return
-    generator = torch.Generator().manual_seed(5)
+    set_grouped_random_omega(algorithm.projections)
     with torch.no_grad():
-        for pair in algorithm.projections:
-            for projection in pair:  # random omega that agrees within every group
-                omega = torch.rand(projection.omega.shape, generator=generator)
-                for row in projection.members.tolist():
-                    omega[row] = omega[row].mean(dim=0)
-                projection.omega.copy_(omega)
         reference = fused(ids).logits
     config, weights = export_model(copy.deepcopy(fused.config), fused.state_dict())
     assert HeadMap.from_hf_config(config) == target

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.budget import allocate_kv_heads, fusion_loss_costs
-from helpers import SEQ_LEN, tiny_recipe
+from helpers import SEQ_LEN, set_grouped_random_omega, tiny_recipe
 
 HEADS, HEAD_DIM, HIDDEN = 8, 8, 64
 
@@ -211,15 +211,9 @@ def test_servable_search_shares_one_equal_grouping_per_layer_and_bakes_to_a_serv
     source = LlamaForCausalLM.from_pretrained(recipe['model']['pretrained_path']).eval()
     algorithm = HeadFusion(head_map=str(out / 'head_map.json'))
     algorithm.apply_surgery(source)
-    generator = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(3))
+    set_grouped_random_omega(algorithm.projections)
     with torch.no_grad():
-        for pair in algorithm.projections:
-            for projection in pair:
-                omega = torch.rand(projection.omega.shape, generator=generator)
-                for row in projection.members.tolist():
-                    omega[row] = omega[row].mean(dim=0)
-                projection.omega.copy_(omega)
         reference = source(ids).logits
     config, weights = export_model(copy.deepcopy(source.config), source.state_dict())
     exported = HeadMap.from_hf_config(config)
@@ -228,6 +222,18 @@ def test_servable_search_shares_one_equal_grouping_per_layer_and_bakes_to_a_serv
     dha.load_state_dict(weights)
     with torch.no_grad():
         torch.testing.assert_close(dha(ids).logits, reference, rtol=0, atol=1e-5)
+
+    # ... and that DHA model, exported to GGUF, runs in llama.cpp with the same logits (per-layer counts: `deci`).
+    from dha_train.cli import main
+    from dha_train.llama_cpp_engine import LlamaCppModel
+
+    dha.save_pretrained(tmp_path / 'dha')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'dha')
+    assert main(['export-gguf', str(tmp_path / 'dha'), str(tmp_path / 'dha.gguf'), '--outtype', 'f32']) == 0
+    with LlamaCppModel(tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
+                       flash_attention=False) as engine:
+        found = torch.from_numpy(engine.logits(ids[0].tolist()))
+    torch.testing.assert_close(found, reference[0], rtol=0, atol=1e-4)
 
 
 def test_servable_search_refuses_budgets_it_cannot_meet(tmp_path, data_root, tokenizer_dir):

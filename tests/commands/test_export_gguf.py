@@ -29,7 +29,7 @@ from dha_train.cli import main
 from dha_train.llama_cpp_engine import LlamaCppModel
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
-from helpers import mixed_text_lines, save_tiny_llama
+from helpers import mixed_text_lines, refused_in_one_line, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -142,20 +142,6 @@ def test_q8_0_and_f16_files_load_and_stay_close(folders, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _refused(argv: list[str], out: Path, capfd) -> str:
-    before = out.read_bytes() if out.exists() else None
-    capfd.readouterr()
-    status = main(argv)
-    printed, err = capfd.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert 'Traceback' not in printed + err
-    assert status == 2, err
-    assert len(lines) == 1 and lines[0].startswith('dha-train: error: '), err
-    assert (out.read_bytes() if out.exists() else None) == before
-    assert not list(out.parent.glob('.*.partial'))
-    return lines[0]
-
-
 def _converted(source: Path, out: Path, key, value) -> Path:
     head_map = HeadMap.dha(key, value, num_heads=HEADS, head_dim=HEAD_DIM)
     head_map.save(out.with_suffix('.json'))
@@ -166,20 +152,20 @@ def _converted(source: Path, out: Path, key, value) -> Path:
 def test_maps_that_no_engine_serves_are_refused_naming_the_layer_and_the_fix(sources, tmp_path, capfd):
     apart = _converted(sources['mha'], tmp_path / 'apart', [[[0, 1, 2, 3], [4, 5, 6, 7]]] * LAYERS,
                        [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2 + [[[0, 2, 4, 6], [1, 3, 5, 7]]])
-    line = _refused(['export-gguf', str(apart), str(tmp_path / 'apart.gguf')], tmp_path / 'apart.gguf', capfd)
+    line = refused_in_one_line(['export-gguf', str(apart), str(tmp_path / 'apart.gguf')], tmp_path, capfd)
     assert 'layer 2: K and V are grouped apart' in line and 'layer 0' not in line
     assert 'servable: true' in line and '--servable' in line
 
     unequal = [[[0, 1, 2], [3, 4, 5, 6, 7]]] + [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
     uneven = _converted(sources['mha'], tmp_path / 'uneven', unequal, unequal)
-    line = _refused(['export-gguf', str(uneven), str(tmp_path / 'uneven.gguf')], tmp_path / 'uneven.gguf', capfd)
+    line = refused_in_one_line(['export-gguf', str(uneven), str(tmp_path / 'uneven.gguf')], tmp_path, capfd)
     assert 'layer 0: groups of sizes [3, 5]' in line
 
 
 def test_the_mla_class_and_moh_are_refused_by_name(sources, tmp_path, capfd, data_root):
     assert main(['convert', str(sources['gqa']), str(tmp_path / 'mla'), '--method', 'mla', '--cache-fraction', '0.75',
                  '--data', str(data_root), '--tokens', '512', '--batch-size', '4']) == 0
-    line = _refused(['export-gguf', str(tmp_path / 'mla'), str(tmp_path / 'mla.gguf')], tmp_path / 'mla.gguf', capfd)
+    line = refused_in_one_line(['export-gguf', str(tmp_path / 'mla'), str(tmp_path / 'mla.gguf')], tmp_path, capfd)
     assert 'the MLA class (mla_llama)' in line and '--format deepseek' in line
 
     from dha_train.models.modeling_moh import MohLlamaConfig, MohLlamaForCausalLM
@@ -187,30 +173,30 @@ def test_the_mla_class_and_moh_are_refused_by_name(sources, tmp_path, capfd, dat
     config = AutoModelForCausalLM.from_pretrained(sources['mha']).config.to_dict()
     config = {key: value for key, value in config.items() if key not in ('model_type', 'architectures')}
     MohLlamaForCausalLM(MohLlamaConfig(**config, moh_shared_heads=4, moh_top_k=2)).save_pretrained(tmp_path / 'moh')
-    line = _refused(['export-gguf', str(tmp_path / 'moh'), str(tmp_path / 'moh.gguf')], tmp_path / 'moh.gguf', capfd)
+    line = refused_in_one_line(['export-gguf', str(tmp_path / 'moh'), str(tmp_path / 'moh.gguf')], tmp_path, capfd)
     assert 'MoH routes query heads per token' in line
 
 
 def test_missing_truncated_and_tokenizerless_folders_and_an_existing_file_are_refused(sources, tmp_path, capfd):
     out = tmp_path / 'model.gguf'
-    line = _refused(['export-gguf', str(tmp_path / 'nowhere'), str(out)], out, capfd)
+    line = refused_in_one_line(['export-gguf', str(tmp_path / 'nowhere'), str(out)], tmp_path, capfd)
     assert 'does not exist' in line
 
     truncated = tmp_path / 'truncated'
     shutil.copytree(sources['gqa'], truncated)
     weights = truncated / 'model.safetensors'
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
-    line = _refused(['export-gguf', str(truncated), str(out)], out, capfd)
+    line = refused_in_one_line(['export-gguf', str(truncated), str(out)], tmp_path, capfd)
     assert 'model.safetensors is truncated' in line
 
     bare = tmp_path / 'bare'
     shutil.copytree(sources['gqa'], bare)
     (bare / 'tokenizer.json').unlink()
-    line = _refused(['export-gguf', str(bare), str(out)], out, capfd)
+    line = refused_in_one_line(['export-gguf', str(bare), str(out)], tmp_path, capfd)
     assert 'has no tokenizer.json' in line
 
     out.write_bytes(b'an earlier file')
-    line = _refused(['export-gguf', str(sources['gqa']), str(out)], out, capfd)
+    line = refused_in_one_line(['export-gguf', str(sources['gqa']), str(out)], tmp_path, capfd)
     assert f'{out} exists; pass --overwrite' in line
     assert main(['export-gguf', str(sources['gqa']), str(out), '--overwrite']) == 0
     assert out.read_bytes()[:4] == b'GGUF'

