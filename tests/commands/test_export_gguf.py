@@ -1,7 +1,7 @@
 """`dha-train export-gguf`: each exportable kind of tiny model, written as GGUF and run in llama.cpp (llama-cpp-python,
 installed by `make install`), computes what the HF folder computes; what no engine serves is refused in one line.
 
-The kinds: a GQA folder (``llama``), a servable DHA export whose layers keep different K/V head counts with the
+The kinds: a GQA folder (``llama``), the same with LLaMA-3.x's RoPE scaling (``rope_freqs``), a servable DHA export whose layers keep different K/V head counts with the
 query heads out of group order (``deci``: llama.cpp's LLaMA with per-layer head counts), and MLA in DeepSeek's format
 from ``convert --format deepseek`` (``deepseek2``, MLA mode), its source with ``rms_norm_eps`` 1e-5 so that the
 latent norm's own epsilon (1e-6 in transformers) has to be carried.
@@ -48,7 +48,11 @@ def sources(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
                     max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-5, rope_theta=500.0)
     save_tiny_llama(root / 'mha', tokenizer_dir, seed=1, num_key_value_heads=HEADS, **settings)
     save_tiny_llama(root / 'gqa', tokenizer_dir, seed=2, num_key_value_heads=2, **settings)
-    return {'mha': root / 'mha', 'gqa': root / 'gqa'}
+    # LLaMA-3.x's RoPE scaling (frequency-dependent: at these widths two of four frequencies are scaled, one smoothly)
+    llama3 = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+              'original_max_position_embeddings': 64}
+    save_tiny_llama(root / 'llama3', tokenizer_dir, seed=4, num_key_value_heads=4, rope_scaling=llama3, **settings)
+    return {'mha': root / 'mha', 'gqa': root / 'gqa', 'llama3': root / 'llama3'}
 
 
 @pytest.fixture(scope='module')
@@ -60,10 +64,10 @@ def folders(sources, tmp_path_factory, data_root) -> dict[str, Path]:
     assert main(['convert', str(sources['mha']), str(root / 'dha'), '--head-map', str(root / 'servable_map.json')]) == 0
     assert main(['convert', str(sources['gqa']), str(root / 'deepseek'), '--method', 'mla', '--format', 'deepseek',
                  '--cache-fraction', '0.5', '--data', str(data_root), '--tokens', '1024', '--batch-size', '4']) == 0
-    return {'gqa': sources['gqa'], 'dha': root / 'dha', 'deepseek': root / 'deepseek'}
+    return {'gqa': sources['gqa'], 'dha': root / 'dha', 'deepseek': root / 'deepseek', 'llama3': sources['llama3']}
 
 
-ARCHITECTURES = {'gqa': 'llama', 'dha': 'deci', 'deepseek': 'deepseek2'}
+ARCHITECTURES = {'gqa': 'llama', 'dha': 'deci', 'deepseek': 'deepseek2', 'llama3': 'llama'}
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -71,7 +75,7 @@ def _field(reader: gguf.GGUFReader, key: str):
     return None if found is None else found.contents()
 
 
-@pytest.mark.parametrize('kind', ['gqa', 'dha', 'deepseek'])
+@pytest.mark.parametrize('kind', ['gqa', 'dha', 'deepseek', 'llama3'])
 def test_the_export_runs_in_llama_cpp_as_in_transformers(kind, folders, sources, tmp_path, capsys):
     folder = folders[kind]
     out = tmp_path / f'{kind}.gguf'
@@ -81,7 +85,9 @@ def test_the_export_runs_in_llama_cpp_as_in_transformers(kind, folders, sources,
     assert _field(reader, 'general.architecture') == ARCHITECTURES[kind]
     if kind == 'dha':
         assert list(_field(reader, 'deci.attention.head_count_kv')) == [2, 4, 1]
-    if kind != 'gqa':  # a converted folder's card: its method and its cache against the source's
+    if kind == 'llama3':
+        assert any(tensor.name == 'rope_freqs.weight' for tensor in reader.tensors)
+    if kind in ('dha', 'deepseek'):  # a converted folder's card: its method and its cache against the source's
         assert _field(reader, 'dha_train.method') == {'dha': 'mean_pool', 'deepseek': 'mla_deepseek'}[kind]
         source = AutoModelForCausalLM.from_pretrained(sources['mha' if kind == 'dha' else 'gqa']).config
         expected = kv_cache_bytes(AutoModelForCausalLM.from_pretrained(folder).config, 1, 2) / kv_cache_bytes(source, 1, 2)
