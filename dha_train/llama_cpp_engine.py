@@ -139,20 +139,23 @@ class LlamaCppModel:
             self.llm.eval([token])
         return out
 
-    def timed_prompt_and_decode(self, tokens: list[int], decode_tokens: int) -> tuple[float, float]:
-        """(prompt tokens/s, decode tokens/s): ``tokens`` processed from an empty cache, then ``decode_tokens``
-        single-token steps over the cache they filled."""
+    def timed_prompt(self, tokens: list[int]) -> tuple[float, object, int]:
+        """``tokens`` processed from an empty cache: (prompt tokens/s, the state after it, the argmax next token)."""
         self.llm.reset()
         start = time.perf_counter()
         self.llm.eval(tokens)
-        prompt = time.perf_counter() - start
-        token = int(np.argmax(self._last_logits()))
+        seconds = time.perf_counter() - start
+        return len(tokens) / seconds, self.llm.save_state(), int(np.argmax(self._last_logits()))
+
+    def timed_decode(self, state, token: int, new_tokens: int) -> float:
+        """Decode tokens/s of ``new_tokens`` greedy single-token steps from ``state`` (``timed_prompt``'s), so
+        repeated rounds decode over the same cache without processing the prompt again."""
+        self.llm.load_state(state)
         start = time.perf_counter()
-        for _ in range(decode_tokens):
+        for _ in range(new_tokens):
             self.llm.eval([token])
             token = int(np.argmax(self._last_logits()))
-        decode = time.perf_counter() - start
-        return len(tokens) / prompt, decode_tokens / decode
+        return new_tokens / (time.perf_counter() - start)
 
     def close(self) -> None:
         self.llm.close()

@@ -6,8 +6,9 @@ budgets. Each method's row with the lowest held-out loss is the model served (af
 heals). Each is exported with ``export-gguf`` at every ``--outtypes`` weight type, then in one run:
 
 - at every context in ``--contexts``, batch 1: the prompt (held-out text filling the context but for the decoded
-  tokens) processed from an empty cache, then ``--decode-tokens`` greedy single-token steps over it; prompt and
-  decode tokens/s, best of ``--repeats`` rounds, models interleaved within a round so that drift reaches all alike;
+  tokens) processed once from an empty cache (prompt tokens/s: compute-bound and steady), then ``--decode-tokens``
+  greedy single-token steps over the cache it filled, restored for each of ``--repeats`` rounds (decode tokens/s,
+  the best round; models interleaved within a round so that drift reaches all alike);
   the K+V MiB llama.cpp allocates for the context (its loader's report), flash attention on as llama-server's
   default (``--flash-attn auto``) turns it on for the CPU, the cache in f16 (its default);
 - each as a ratio to the source at the same context and weight type;
@@ -147,15 +148,23 @@ def run_serve_bench(settings: ServeSettings) -> dict:
     for context in settings.contexts:
         prompt = prompt_text[:context - settings.decode_tokens]
         for outtype in settings.outtypes:
-            for _ in range(settings.repeats):
-                for name in rows:
-                    with LlamaCppModel(files[name, outtype], n_ctx=context, threads=threads) as engine:
-                        prompt_tps, decode_tps = engine.timed_prompt_and_decode(prompt, settings.decode_tokens)
-                        cache = engine.kv_cache
-                    best = timings.setdefault((name, outtype, context), {'prompt_tps': 0.0, 'decode_tps': 0.0})
-                    best['prompt_tps'] = max(best['prompt_tps'], prompt_tps)
-                    best['decode_tps'] = max(best['decode_tps'], decode_tps)
-                    best['kv_mib'] = cache.k_mib + cache.v_mib
+            engines, states = {}, {}
+            try:
+                for name in rows:  # the prompt once per model: it is compute-bound and steady
+                    engines[name] = LlamaCppModel(files[name, outtype], n_ctx=context, threads=threads)
+                    prompt_tps, state, token = engines[name].timed_prompt(prompt)
+                    states[name] = (state, token)
+                    cache = engines[name].kv_cache
+                    timings[name, outtype, context] = {'prompt_tps': prompt_tps, 'decode_tps': 0.0,
+                                                       'kv_mib': cache.k_mib + cache.v_mib}
+                for _ in range(settings.repeats):  # decode rounds, models interleaved: drift reaches all alike
+                    for name, engine in engines.items():
+                        decode_tps = engine.timed_decode(*states[name], settings.decode_tokens)
+                        best = timings[name, outtype, context]
+                        best['decode_tps'] = max(best['decode_tps'], decode_tps)
+            finally:
+                for engine in engines.values():
+                    engine.close()
             print(f'[bench serve] timed context {context} ({outtype})', flush=True)
 
     table = []
