@@ -263,7 +263,7 @@ class HeadMap:
 
     def servable_problems(self) -> list[str]:
         """Why this map is not plain GQA up to a permutation of the query heads, which is all that serving engines
-        take per layer (llama.cpp's ``llama`` architecture with a per-layer ``head_count_kv``, vLLM): one line per
+        take per layer (llama.cpp's ``deci`` GGUF with a per-layer ``head_count_kv``, vLLM): one line per
         layer where K and V are grouped apart ('layer 4: K and V are grouped apart') or the shared groups differ in
         size ('layer 7: groups of sizes [2, 1]'). Empty when every layer is servable; ``contiguous_permutation``
         then gives the order of the query heads that makes every layer contiguous GQA."""
