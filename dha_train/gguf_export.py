@@ -50,6 +50,7 @@ from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import KV_TOKENS, read_model_card
 from dha_train.model_folders import check_model_folder
 from dha_train.models.head_map import HeadMap
+from dha_train.models.llama_layout import head_dim
 from dha_train.ops.deepseek import LATENT_NORM_EPS
 
 OUTTYPES = ('f32', 'f16', 'bf16', 'q8_0')
@@ -59,7 +60,6 @@ PRE_TOKENIZERS = {
     ('ByteLevel:regex',): 'gpt-2',
     ('Digits:individual', 'ByteLevel:regex'): 'smollm',
 }
-_TOKENIZER_FILES = ('tokenizer.json',)
 # The MLA tensors that read the normed latent (deepseek2): kept f16 in a q8_0 file (see ``_stored``).
 LATENT_READERS = ('attn_k_b.weight', 'attn_v_b.weight')
 
@@ -315,8 +315,8 @@ def _add_tokenizer(writer, folder: Path, config) -> dict:
     return special
 
 
-def _add_card_facts(writer, folder: Path, config, architecture: str) -> tuple[int, int | None, dict]:
-    """``general.*`` from the model card; returns (KV bytes per token in f16, the source's, the card's block)."""
+def _add_card_facts(writer, folder: Path, config, architecture: str) -> tuple[int, int | None]:
+    """``general.*`` from the model card; returns (KV bytes per token in f16, the source's)."""
     header, _ = read_model_card(folder)
     block = header.get('dha_train') or {}
     kv = kv_cache_bytes(config, 1, 2)
@@ -344,23 +344,28 @@ def _add_card_facts(writer, folder: Path, config, architecture: str) -> tuple[in
     stages = block.get('stages') or []
     if stages:
         writer.add_string('dha_train.stages', json.dumps(stages))
-    return kv, source_kv, block
+    return kv, source_kv
 
 
-def _add_llama_header(writer, config, kv_heads: list[int]) -> None:
+def _add_common_header(writer, config) -> None:
+    """What every architecture written here reads alike from an HF config."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(kv_heads[0] if len(set(kv_heads)) == 1 else kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    head = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_vocab_size(config.vocab_size)
+
+
+def _add_llama_header(writer, config, kv_heads: list[int]) -> None:
+    _add_common_header(writer, config)
+    writer.add_head_count_kv(kv_heads[0] if len(set(kv_heads)) == 1 else kv_heads)
+    head = head_dim(config)
     writer.add_key_length(head)
     writer.add_value_length(head)
     writer.add_rope_dimension_count(head)
-    writer.add_rope_freq_base(float(config.rope_theta))
-    writer.add_vocab_size(config.vocab_size)
     scaling = getattr(config, 'rope_scaling', None) or {}
     if scaling.get('rope_type', scaling.get('type')) == 'linear':
         import gguf
@@ -370,13 +375,8 @@ def _add_llama_header(writer, config, kv_heads: list[int]) -> None:
 
 def _add_deepseek_header(writer, config) -> None:
     rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    _add_common_header(writer, config)
     writer.add_head_count_kv(1)  # MLA mode: one cached "head", the latent plus the shared RoPE key
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(rank + rope)
     writer.add_value_length(rank)
     writer.add_key_length_mla(config.qk_nope_head_dim + rope)
@@ -384,8 +384,6 @@ def _add_deepseek_header(writer, config) -> None:
     writer.add_kv_lora_rank(rank)
     writer.add_q_lora_rank(0)
     writer.add_rope_dimension_count(rope)
-    writer.add_rope_freq_base(float(config.rope_theta))
-    writer.add_vocab_size(config.vocab_size)
     # Every layer is dense (first_k_dense_replace = every layer); the expert keys the loader requires are unused.
     writer.add_leading_dense_block_count(config.num_hidden_layers)
     writer.add_expert_feed_forward_length(config.intermediate_size)
@@ -465,7 +463,7 @@ def export_gguf(folder: str | Path, out: str | Path, *, outtype: str = 'f16', ov
                 _add_deepseek_header(writer, config)
             else:
                 _add_llama_header(writer, config, kv_heads)
-            report.kv_bytes_per_token_f16, report.source_kv_bytes_per_token_f16, _ = _add_card_facts(
+            report.kv_bytes_per_token_f16, report.source_kv_bytes_per_token_f16 = _add_card_facts(
                 writer, folder, config, architecture)
             _add_tokenizer(writer, folder, config)
 
