@@ -39,16 +39,16 @@ def cross_blocks(gram: torch.Tensor, num_heads: int) -> torch.Tensor:
     return gram.reshape(num_heads, head_dim, num_heads, head_dim).transpose(1, 2)
 
 
-def _planes(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _planes(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if head_dim % 2:
         raise ValueError(f'key alignment needs an even head dim (RoPE planes), got {head_dim}')
-    first = torch.arange(head_dim // 2)
+    first = torch.arange(head_dim // 2, device=device)
     return first, first + head_dim // 2
 
 
 def _plane_terms(cross: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For (..., d, d) cross-products: per RoPE plane, (C_aa + C_bb, C_ba - C_ab), each (..., d/2)."""
-    a, b = _planes(cross.shape[-1])
+    a, b = _planes(cross.shape[-1], cross.device)
     return cross[..., a, a] + cross[..., b, b], cross[..., b, a] - cross[..., a, b]
 
 
@@ -79,7 +79,7 @@ def plane_rotation(angle: torch.Tensor) -> torch.Tensor:
     """(..., d, d) map rotating each RoPE plane (p, p + d/2) of a row vector by angle[..., p] (x -> x R)."""
     half = angle.shape[-1]
     rotation = angle.new_zeros(*angle.shape[:-1], 2 * half, 2 * half)
-    a, b = _planes(2 * half)
+    a, b = _planes(2 * half, angle.device)
     cos, sin = torch.cos(angle), torch.sin(angle)
     rotation[..., a, a], rotation[..., b, b] = cos, cos
     rotation[..., a, b], rotation[..., b, a] = -sin, sin  # tr(R^T C) = cos (C_aa + C_bb) + sin (C_ba - C_ab)
@@ -96,7 +96,7 @@ def aligned_similarity(gram: torch.Tensor, num_heads: int, kind: Kind, criterion
     if tokens <= 0:
         raise ValueError(f'tokens must be positive, got {tokens}')
     cross = cross_blocks(gram.double(), num_heads)
-    upper = torch.triu_indices(num_heads, num_heads)
+    upper = torch.triu_indices(num_heads, num_heads, device=gram.device)
     agreement = torch.zeros(num_heads, num_heads, dtype=torch.float64, device=gram.device)
     agreement[upper[0], upper[1]] = max_agreement(cross[upper[0], upper[1]], kind)
     agreement = agreement + agreement.triu(1).T
@@ -162,7 +162,7 @@ def group_maps(gram: torch.Tensor, partition: Sequence[Sequence[int]], kind: Kin
     cross = cross_blocks(gram.double(), num_heads)
     maps = torch.empty(num_heads, cross.shape[-1], cross.shape[-1], dtype=torch.float64, device=gram.device)
     for group in partition:
-        index = torch.as_tensor(list(group))
+        index = torch.as_tensor(list(group), device=gram.device)
         maps[index] = generalized_procrustes(cross[index][:, index], kind)
     return maps
 
@@ -185,7 +185,7 @@ def within_group_cosine(gram: torch.Tensor, partition: Sequence[Sequence[int]], 
 
 def _per_query_head(maps: torch.Tensor, query_to_kv: Sequence[int] | None) -> torch.Tensor:
     """The map each query head's Q rows / O columns take: its K/V head's (MHA: its own)."""
-    return maps if query_to_kv is None else maps[torch.as_tensor(list(query_to_kv), dtype=torch.long)]
+    return maps if query_to_kv is None else maps[torch.as_tensor(list(query_to_kv), dtype=torch.long, device=maps.device)]
 
 
 def fold_value_maps(v_weight: torch.Tensor, o_weight: torch.Tensor, maps: torch.Tensor,

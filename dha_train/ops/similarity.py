@@ -110,11 +110,12 @@ def weight_cka(weight: torch.Tensor, num_heads: int, *, center: bool = False) ->
 
 def layer_redundancy(similarity: torch.Tensor) -> float:
     """Mean similarity over the H(H-1)/2 distinct head pairs of a layer (seed 000 B.1.2)."""
-    matrix = torch.as_tensor(similarity, dtype=torch.float64)
+    matrix = (similarity.double() if isinstance(similarity, torch.Tensor)
+              else torch.tensor(similarity, dtype=torch.float64, device='cpu'))
     num_heads = matrix.shape[0]
     if matrix.ndim != 2 or matrix.shape[1] != num_heads or num_heads < 2:
         raise ValueError(f'redundancy needs a square similarity over at least 2 heads, got {tuple(matrix.shape)}')
-    upper = torch.triu_indices(num_heads, num_heads, offset=1)
+    upper = torch.triu_indices(num_heads, num_heads, offset=1, device=matrix.device)
     return float(matrix[upper[0], upper[1]].mean())
 
 

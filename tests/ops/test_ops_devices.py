@@ -56,35 +56,41 @@ def test_mla_and_deepseek_conversion_maths(inputs, balance):
 
 
 def test_alignment_similarity_and_refit_maths(inputs):
-    # One intra-op thread: after some earlier modules of a full run, the multi-threaded CPU SVD here reported
-    # non-finite input on a finite matrix (not found why); this test checks devices, not threading.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # Deterministic mode fills every uninitialised tensor with NaN: a CPU tensor indexed by a stray `meta` index
+    # reads such memory instead of raising, so the values below differ from the plain CPU run's and the check fails.
+    reference = _alignment_similarity_and_refit_maths(inputs)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
     try:
-        _alignment_similarity_and_refit_maths(inputs)
+        with torch.device('meta'):
+            results = _alignment_similarity_and_refit_maths(inputs)
     finally:
-        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    assert _on_cpu(*results)
+    for got, want in zip(results, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-def _alignment_similarity_and_refit_maths(inputs):
+def _alignment_similarity_and_refit_maths(inputs) -> list[torch.Tensor]:
     q, k, v, o, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['o'], inputs['covariance']
     # its own generator and dtype: the global RNG state and default dtype depend on which tests ran before
-    caches = torch.randn(TOKENS, HEADS * DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float32)
+    caches = torch.randn(TOKENS, HEADS * DIM, generator=torch.Generator(device='cpu').manual_seed(1),
+                         dtype=torch.float32, device='cpu')
     partition = [[0, 1], [2, 3]]
-    with torch.device('meta'):
-        gram = similarity.symmetric_gram(caches)
-        results = [gram, similarity.cka_from_gram(gram, HEADS),
-                   similarity.best_match_cosine(caches.reshape(TOKENS, HEADS, DIM).transpose(0, 1))]
-        for kind in ('key', 'value'):
-            results += [alignment.aligned_similarity(gram, HEADS, kind, criterion, TOKENS)
-                        for criterion in ('cos', 'dist')]
-            maps = alignment.group_maps(gram, partition, kind)
-            assert isinstance(alignment.within_group_cosine(gram, partition, TOKENS, maps), float)
-            head_q = torch.cat([q, q])  # MHA: one K and V head per query head
-            folded = (alignment.fold_value_maps(torch.cat([v, v]), o, maps) if kind == 'value'
-                      else alignment.fold_key_maps(head_q, torch.cat([k, k]), maps))
-            results += [maps, *folded]
-        layer = refit.refit_head_map_layer({'q': q, 'k': k, 'v': v, 'o': o}, covariance, DIM,
-                                           source_kv_of_query=[0, 0, 1, 1], query_source=[0, 1, 2, 3],
-                                           key_of_query=[0, 0, 0, 0], value_of_query=[0, 0, 0, 0])
-    assert _on_cpu(*results, *[value for value in vars(layer).values() if isinstance(value, torch.Tensor)])
+    gram = similarity.symmetric_gram(caches)
+    results = [gram, similarity.cka_from_gram(gram, HEADS),
+               similarity.best_match_cosine(caches.reshape(TOKENS, HEADS, DIM).transpose(0, 1)),
+               torch.tensor(similarity.layer_redundancy(similarity.cka_from_gram(gram, HEADS)), device='cpu')]
+    for kind in ('key', 'value'):
+        results += [alignment.aligned_similarity(gram, HEADS, kind, criterion, TOKENS)
+                    for criterion in ('cos', 'dist')]
+        maps = alignment.group_maps(gram, partition, kind)
+        results.append(torch.tensor(alignment.within_group_cosine(gram, partition, TOKENS, maps), device='cpu'))
+        head_q = torch.cat([q, q])  # MHA: one K and V head per query head
+        folded = (alignment.fold_value_maps(torch.cat([v, v]), o, maps) if kind == 'value'
+                  else alignment.fold_key_maps(head_q, torch.cat([k, k]), maps))
+        results += [maps, *folded]
+    layer = refit.refit_head_map_layer({'q': q, 'k': k, 'v': v, 'o': o}, covariance, DIM,
+                                       source_kv_of_query=[0, 0, 1, 1], query_source=[0, 1, 2, 3],
+                                       key_of_query=[0, 0, 0, 0], value_of_query=[0, 0, 0, 0])
+    return results + [value for value in vars(layer).values() if isinstance(value, torch.Tensor)]
