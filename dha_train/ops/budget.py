@@ -211,7 +211,7 @@ def shared_kv_matrices(similarities: Any, normalise: bool = True) -> torch.Tenso
     Eq. 6 distances follow the weight scales: a rescaled W_k, with W_q rescaled inversely, is the same model with
     other distances); a matrix whose off-diagonal entries are all zero is taken as it is. Scale-free measures (CKA)
     can skip it."""
-    matrices = similarities if torch.is_tensor(similarities) else torch.as_tensor(np.asarray(similarities))
+    matrices = similarities if torch.is_tensor(similarities) else torch.as_tensor(np.asarray(similarities), device='cpu')
     if matrices.ndim != 3 or matrices.shape[0] % 2 or matrices.shape[1] != matrices.shape[2]:
         raise ValueError(f'expected a (2L, H, H) stack of K then V matrices, got shape {tuple(matrices.shape)}')
     if normalise and matrices.shape[-1] > 1:

@@ -149,7 +149,7 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
     keys = k_weight.double().reshape(kv_heads, head_dim, -1)
     queries = q_weight.double().reshape(num_heads, head_dim, -1)
     u = directions.double()[kept]  # (p, G)
-    index = torch.tensor(kept, dtype=torch.long)
+    index = torch.tensor(kept, dtype=torch.long, device=keys.device)
     shared_first = torch.einsum('pg,gph->ph', u, keys[:, index])              # (p, hidden)
     shared_second = torch.einsum('pg,gph->ph', u, keys[:, index + half])
     nope_keys = keys.clone()
@@ -167,7 +167,7 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
         down = torch.cat([down, pin_channel(down, covariance, pin_inputs)[None]])
         up = torch.cat([up, torch.zeros(up.shape[0], 1, dtype=up.dtype, device=up.device)], dim=1)
 
-    kv_of_query = torch.arange(num_heads) // group
+    kv_of_query = torch.arange(num_heads, device=u.device) // group
     query_scale = u.T[kv_of_query]                                              # (H, p): u_ig of each query head
     rope_queries = torch.stack([_interleave(queries[h, index] * query_scale[h, :, None],
                                             queries[h, index + half] * query_scale[h, :, None])
@@ -215,5 +215,5 @@ def kv_b_weight(rows: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int
     each query head gets its K/V head's key rows then value rows."""
     keys = rows[:kv_heads * head_dim].reshape(kv_heads, head_dim, -1)
     values = rows[kv_heads * head_dim:].reshape(kv_heads, head_dim, -1)
-    kv_of_query = torch.arange(num_heads) // (num_heads // kv_heads)
+    kv_of_query = torch.arange(num_heads, device=rows.device) // (num_heads // kv_heads)
     return torch.cat([keys[kv_of_query], values[kv_of_query]], dim=1).reshape(num_heads * 2 * head_dim, -1)

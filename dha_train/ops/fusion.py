@@ -27,15 +27,15 @@ def group_members(partition: Sequence[Sequence[int]], num_heads: int) -> torch.T
     covered = sorted(h for group in partition for h in group)
     if covered != list(range(num_heads)):
         raise ValueError(f'partition {partition} must cover heads 0..{num_heads - 1} exactly once')
-    members = torch.empty(num_heads, sizes.pop(), dtype=torch.long)
+    members = torch.empty(num_heads, sizes.pop(), dtype=torch.long, device='cpu')
     for group in partition:
-        members[list(group)] = torch.tensor(sorted(group))
+        members[list(group)] = torch.tensor(sorted(group), device='cpu')
     return members
 
 
 def kronecker_omega(members: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """omega[h, j, :] = 1 where members[h, j] == h, else 0: every query head reads its own MHA head (Eq. 5 at init)."""
-    own = (members == torch.arange(members.shape[0])[:, None]).to(dtype)
+    own = (members == torch.arange(members.shape[0], device=members.device)[:, None]).to(dtype)
     if not bool((own.sum(dim=1) == 1).all()):
         raise ValueError('every query head must be a member of its own group')
     return own[:, :, None].expand(-1, -1, head_dim).clone()
@@ -116,7 +116,8 @@ def split_into_subgroups(distance: torch.Tensor, partition: Sequence[Sequence[in
     sub-groups (single heads when None), minimising the mean within-sub-group head distance (the clustering at the
     start of each progressive-fusion stage, seed 000 B.2). ``distance`` is (H, H), e.g. Eq. 6's weight-space head
     distance; blocks are compared by their mean pairwise distance and grouped by the annealing search."""
-    distance = torch.as_tensor(distance, dtype=torch.float64)
+    distance = (distance.double() if torch.is_tensor(distance)
+                else torch.tensor(distance, dtype=torch.float64, device='cpu'))
     blocks_of = [[list(block) for block in (previous or [[h] for group in partition for h in group])
                   if set(block) <= set(group)] for group in partition]
     subgroups: Partition = []
@@ -127,7 +128,8 @@ def split_into_subgroups(distance: torch.Tensor, partition: Sequence[Sequence[in
         if size == block_size or size == len(group):
             subgroups += blocks if size == block_size else [sorted(group)]
             continue
-        block_distance = torch.tensor([[float(distance[a][:, b].mean()) for b in blocks] for a in blocks])
+        block_distance = torch.tensor([[float(distance[a][:, b].mean()) for b in blocks] for a in blocks],
+                                      device='cpu')
         for chosen in anneal_equal_groups(-block_distance, len(group) // size, seed=seed):
             subgroups.append(sorted(h for index in chosen for h in blocks[index]))
     return sorted(subgroups, key=lambda subgroup: subgroup[0])

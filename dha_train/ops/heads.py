@@ -40,7 +40,7 @@ def mean_pool_heads(rows: torch.Tensor, head_to_group: Sequence[int], head_dim: 
 
 def gather_heads(rows: torch.Tensor, index: Sequence[int], head_dim: int) -> torch.Tensor:
     """New head i is old head ``index[i]`` (a permutation reorders heads; a head map expands compact heads)."""
-    heads = split_heads(rows, head_dim)[torch.as_tensor(index, dtype=torch.long)]
+    heads = split_heads(rows, head_dim)[torch.as_tensor(index, dtype=torch.long, device=rows.device)]
     return heads.reshape(len(index) * head_dim, *rows.shape[1:])
 
 

@@ -81,9 +81,9 @@ def kept_rope_pairs(num_kv_heads: int, head_dim: int, pairs: int, criterion: str
         order = torch.sort(-scores.double(), dim=1, stable=True).indices[:, :pairs]
         return order.sort(dim=1).values
     if criterion == 'uniform':
-        row = torch.tensor([j * half // pairs for j in range(pairs)], dtype=torch.long)
+        row = torch.tensor([j * half // pairs for j in range(pairs)], dtype=torch.long, device='cpu')
     else:
-        row = torch.arange(pairs, dtype=torch.long)
+        row = torch.arange(pairs, dtype=torch.long, device='cpu')
     return row.expand(num_kv_heads, pairs).clone()
 
 

@@ -37,38 +37,47 @@ def inputs():
     return {'x': x, 'q': q, 'k': k, 'v': v, 'o': o, 'covariance': (x.T @ x / TOKENS).double()}
 
 
-@pytest.mark.parametrize('balance', BALANCES)
-def test_mla_and_deepseek_conversion_maths(inputs, balance):
-    q, k, v, x, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['x'], inputs['covariance']
-    with torch.device('meta'):
-        scores = rope_pair_scores(x @ q.T, x @ k.T, DIM, [0, 0, 1, 1])
-        kept = kept_rope_pairs(KV_HEADS, DIM, 2, 'norm', scores)
-        rows, scales = joint_latent_rows(k, v, kept, DIM, covariance, balance)
-        spectrum = latent_energies(rows, covariance, scales)
-        converted = mla_layer_weights(k, v, kept, DIM, 6, covariance, balance)
-        directions, _ = deepseek.principal_directions(deepseek.pair_key_energy(k, covariance, KV_HEADS, DIM))
-        layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, [0, 2], directions, 6, covariance,
-                                                    balance, pin_inputs=x)
-        fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
-                                          layer['targets'], x)
-        kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
-    assert _on_cpu(spectrum, *converted.values(), *layer.values(), kv_b)
+def _same_values_under_a_meta_default_device(maths, inputs, *args) -> None:
+    """Run ``maths`` plainly, then with `meta` as the default device under deterministic mode, and compare.
 
-
-def test_alignment_similarity_and_refit_maths(inputs):
-    # Deterministic mode fills every uninitialised tensor with NaN: a CPU tensor indexed by a stray `meta` index
-    # reads such memory instead of raising, so the values below differ from the plain CPU run's and the check fails.
-    reference = _alignment_similarity_and_refit_maths(inputs)
+    Deterministic mode fills every uninitialised tensor with NaN: a CPU tensor indexed by a stray `meta` index reads
+    such memory instead of raising, so its values differ from the plain run's and the comparison fails."""
+    reference = maths(inputs, *args)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         with torch.device('meta'):
-            results = _alignment_similarity_and_refit_maths(inputs)
+            results = maths(inputs, *args)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert _on_cpu(*results)
     for got, want in zip(results, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize('balance', BALANCES)
+def test_mla_and_deepseek_conversion_maths(inputs, balance):
+    _same_values_under_a_meta_default_device(_mla_and_deepseek_conversion_maths, inputs, balance)
+
+
+def _mla_and_deepseek_conversion_maths(inputs, balance) -> list[torch.Tensor]:
+    q, k, v, x, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['x'], inputs['covariance']
+    scores = rope_pair_scores(x @ q.T, x @ k.T, DIM, [0, 0, 1, 1])
+    kept = kept_rope_pairs(KV_HEADS, DIM, 2, 'norm', scores)
+    rows, scales = joint_latent_rows(k, v, kept, DIM, covariance, balance)
+    spectrum = latent_energies(rows, covariance, scales)
+    converted = mla_layer_weights(k, v, kept, DIM, 6, covariance, balance)
+    directions, _ = deepseek.principal_directions(deepseek.pair_key_energy(k, covariance, KV_HEADS, DIM))
+    layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, [0, 2], directions, 6, covariance,
+                                                balance, pin_inputs=x)
+    fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
+                                      layer['targets'], x)
+    kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
+    return [spectrum, *converted.values(), *layer.values(), kv_b]
+
+
+def test_alignment_similarity_and_refit_maths(inputs):
+    _same_values_under_a_meta_default_device(_alignment_similarity_and_refit_maths, inputs)
 
 
 def _alignment_similarity_and_refit_maths(inputs) -> list[torch.Tensor]:
