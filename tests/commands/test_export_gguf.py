@@ -38,6 +38,8 @@ LOGIT_TOLERANCE = 1e-4
 N_CTX = 8192  # one cached value per token and layer is 16 KiB at this length: above the 0.01 MiB llama.cpp prints
 # Servable but not contiguous: per layer, equal groups shared by K and V, counts 2, 4 and 1, heads out of order.
 SERVABLE_GROUPS = [[[0, 3, 5, 6], [1, 2, 4, 7]], [[7, 0], [1, 5], [2, 3], [4, 6]], [list(range(HEADS))]]
+# unequal groups in layer 0: no engine serves them
+UNEQUAL = [[[0, 1, 2], [3, 4, 5, 6, 7]]] + [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
 
 
 @pytest.fixture(scope='module')
@@ -162,8 +164,7 @@ def test_maps_that_no_engine_serves_are_refused_naming_the_layer_and_the_fix(sou
     assert 'layer 2: K and V are grouped apart' in line and 'layer 0' not in line
     assert 'servable: true' in line and '--servable' in line
 
-    unequal = [[[0, 1, 2], [3, 4, 5, 6, 7]]] + [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
-    uneven = _converted(sources['mha'], tmp_path / 'uneven', unequal, unequal)
+    uneven = _converted(sources['mha'], tmp_path / 'uneven', UNEQUAL, UNEQUAL)
     line = refused_in_one_line(['export-gguf', str(uneven), str(tmp_path / 'uneven.gguf')], tmp_path, capfd)
     assert 'layer 0: groups of sizes [3, 5]' in line
 
@@ -229,7 +230,10 @@ def test_bench_serve_times_every_model_against_its_source_in_one_run(folders, so
     rows = [{'label': 'teacher', 'method': 'teacher', 'budget': None, 'val_loss': val_loss,
              'hf_folder': str(sources['gqa'])},
             {'label': 'MLA-DeepSeek kv1 +KL', 'method': 'mla_deepseek', 'budget': 'kv1', 'val_loss': val_loss,
-             'hf_folder': str(folders['deepseek'])}]
+             'hf_folder': str(folders['deepseek'])},
+            # unequal groups in a layer (SmolLM2's 9 query heads over 2 K/V heads at two thirds): skipped, not fatal
+            {'label': 'mean-pool kv2 +KL', 'method': 'mean_pool', 'budget': 'kv2', 'val_loss': val_loss,
+             'hf_folder': str(_converted(sources['mha'], tmp_path / 'uneven', UNEQUAL, UNEQUAL))}]
     real = tmp_path / 'real'
     real.mkdir()
     (real / 'results.json').write_text(json.dumps({'rows': rows, 'data': {'heldout': {
@@ -240,6 +244,8 @@ def test_bench_serve_times_every_model_against_its_source_in_one_run(folders, so
     printed = capsys.readouterr().out
     report = json.loads((out / 'results.json').read_text())
     assert len(report['skipped']) == len(MODELS) - 2 and 'mean_pool' in report['skipped'][0]
+    assert any(note.startswith('mean-pool 2/3: mean-pool kv2 +KL does not serve in llama.cpp')
+               and 'groups of sizes [3, 5]' in note for note in report['skipped'])
     assert {(row['model'], row['context']) for row in report['rows']} == {
         (name, context) for name in ('source', 'MLA-DeepSeek 1/3') for context in (32, 64)}
     for row in report['rows']:

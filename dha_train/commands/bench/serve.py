@@ -34,7 +34,7 @@ import torch
 
 from dha_train.config import ConfigError
 from dha_train.data.loaders import split_sequences
-from dha_train.gguf_export import export_gguf
+from dha_train.gguf_export import GgufExportError, export_gguf
 from dha_train.llama_cpp_engine import LlamaCppModel
 from dha_train.plots import plot_curves
 
@@ -137,11 +137,20 @@ def run_serve_bench(settings: ServeSettings) -> dict:
     (out / 'gguf').mkdir(parents=True, exist_ok=True)
 
     files: dict[tuple[str, str], Path] = {}
-    for name, row in rows.items():
-        for outtype in settings.outtypes:
-            path = out / 'gguf' / f"{name.replace(' ', '_').replace('/', '-')}.{outtype}.gguf"
-            export_gguf(row['hf_folder'], path, outtype=outtype, overwrite=True)
-            files[name, outtype] = path
+    for name, row in list(rows.items()):
+        try:
+            for outtype in settings.outtypes:
+                path = out / 'gguf' / f"{name.replace(' ', '_').replace('/', '-')}.{outtype}.gguf"
+                export_gguf(row['hf_folder'], path, outtype=outtype, overwrite=True)
+                files[name, outtype] = path
+        except GgufExportError as exc:  # a model no engine serves is a finding of the bench, not a reason to stop
+            if name == 'source':
+                raise
+            del rows[name]
+            for outtype in settings.outtypes:
+                files.pop((name, outtype), None)
+            missing.append(f"{name}: {row['label']} does not serve in llama.cpp: {exc}")
+            print(f'[bench serve] skipped {missing[-1]}', flush=True)
     print(f'[bench serve] exported {len(files)} GGUF files to {out / "gguf"}', flush=True)
 
     timings: dict[tuple[str, str, int], dict] = {}
