@@ -90,9 +90,9 @@ def servable_order(head_map: HeadMap) -> list[list[int]]:
     problems = head_map.servable_problems()
     if problems:
         shown = '; '.join(problems[:4]) + (f'; and {len(problems) - 4} more' if len(problems) > 4 else '')
-        raise GgufExportError(f'export-gguf: this DHA map is not plain GQA in every layer, which engines need ({shown});'
+        raise GgufExportError(f'export-gguf: this head map is not plain GQA in every layer, which engines need ({shown});'
                               ' search with `head_search: {servable: true}` (or `dha-train search --servable`) for '
-                              'a DHA that exports')
+                              'a DHA that exports; a mean-pool needs a K/V head count that divides the query heads')
     return head_map.contiguous_permutation()
 
 
