@@ -294,8 +294,18 @@ def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ())
     return config
 
 
+# Algorithms that each set the LM loss's weight (their ``lm_weight``: the loss becomes ``lm_weight * L_lm + ...``).
+# Two in one run would each cancel the LM term, giving it a weight of -1 (training would push the LM loss up).
+LM_WEIGHT_OWNERS = ('attention_transfer', 'distillation')
+
+
 def _check_values(config: TrainConfig) -> None:
     """Cross-field checks that the types alone cannot express."""
+    owners = [name for name in config.algorithms if name in LM_WEIGHT_OWNERS]
+    if len(owners) > 1:
+        raise ConfigError(f"algorithms: {' and '.join(owners)} each set the LM loss's weight (lm_weight), so together "
+                          'they would weight it -1 and train it upwards; run them as separate stages (transfer, then '
+                          'distillation, as launch/heal.sh does)')
     for name in ('max_duration', 'eval_interval', 'save_interval', 'console_log_interval'):
         value = getattr(config, name)
         try:

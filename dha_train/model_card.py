@@ -26,7 +26,7 @@ from transformers import AutoConfig
 
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
-from dha_train.models.llama_layout import head_dim
+from dha_train.models.llama_layout import mha_kv_values
 
 CARD_FILE = 'README.md'
 # Written by `dha-train train` in its save folder (the folder the run started from, its recipe): what an export's card
@@ -52,7 +52,7 @@ def read_model_card(folder: str | Path) -> tuple[dict, str]:
 
 
 def _mha_kv_bytes(config) -> int:
-    return config.num_hidden_layers * 2 * config.num_attention_heads * head_dim(config) * KV_TOKENS * 2
+    return config.num_hidden_layers * mha_kv_values(config) * KV_TOKENS * 2
 
 
 def attention_summary(config) -> str:

@@ -30,8 +30,24 @@ _SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
 _INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
 
 
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')  # what AutoTokenizer needs (fast, or sentencepiece)
+
+
 class ModelFolderError(DhaTrainError, ValueError):
     """A model folder that cannot be loaded: the message names the folder and what is wrong."""
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def missing_tokenizer_note(folder: str | Path, source: str | Path) -> str | None:
+    """The line a command that wrote ``folder`` prints when it could copy no tokenizer from ``source``."""
+    if has_tokenizer(folder):
+        return None
+    return (f'note: {folder} has no tokenizer ({source} has none to copy); `dha-train eval` and `export-gguf` need '
+            f"one: copy the source model's tokenizer files ({', '.join(TOKENIZER_FILES)}, tokenizer_config.json) "
+            'into it')
 
 
 # `dha-train plan` builds a run without loading a weight: inside ``weights_optional()`` a folder holding only

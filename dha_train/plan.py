@@ -37,6 +37,7 @@ from dha_train.config import ConfigError, TrainConfig, load_config, per_device_b
 from dha_train.data.prep import MANIFEST_NAME, read_manifest
 from dha_train.distributed import causal_lm_on_meta, shard_blocks
 from dha_train.model_folders import weights_optional
+from dha_train.models.llama_layout import attention_head_widths
 from dha_train.optim import build_optimizer
 
 GIB = 2 ** 30
@@ -386,12 +387,11 @@ def _categories(peak: dict, teacher_bytes: int) -> MemoryReading:
 
 def flops_per_token(config, all_parameters: int, teacher_parameters: int, seq_len: int) -> float:
     """Model FLOPs per trained token: 6 per weight (forward and backward) for the trained model, 2 per weight for a
-    frozen teacher's forward, plus attention's score and value products, 12 L h d s (PaLM, appendix B: the full
-    s x s matrix, as MFU conventions count it). Frozen weights of the student still run forward and backward
-    (their activations' gradients flow), so every student weight counts 6."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // heads
-    attention = 12 * config.num_hidden_layers * heads * head_dim * seq_len
+    frozen teacher's forward, plus attention's score and value products, 6 L h (d_qk + d_v) s (PaLM, appendix B, at
+    d_qk = d_v = d: 12 L h d s; the full s x s matrix, as MFU conventions count it). Frozen weights of the student
+    still run forward and backward (their activations' gradients flow), so every student weight counts 6."""
+    query_key, value = attention_head_widths(config)
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * (query_key + value) * seq_len
     return 6 * all_parameters + 2 * teacher_parameters + attention
 
 

@@ -176,6 +176,14 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _gqa_of(ctx) -> Path:
+    """A mean-pool conversion of the tiny MHA folder (2 of its 4 K/V heads)."""
+    from dha_train.conversion.mean_pool import convert_checkpoint
+    from dha_train.models.head_map import HeadMap
+
+    return convert_checkpoint(ctx.fixture('mha_dir'), ctx.tmp / 'gqa', HeadMap.gqa(2, 4, 2, 16))
+
+
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -349,6 +357,13 @@ CASES = [
     Case('eval: a truncated model.safetensors', 'dha-train',
          lambda ctx: ['eval', str(_damaged_model(ctx, 'truncated')), '--tasks', 'piqa', '--limit', '2'],
          'eval: {tmp}/mha: model.safetensors is truncated'),
+    Case('eval: a model folder with no tokenizer', 'dha-train',
+         lambda ctx: ['eval', str(ctx.fixture('mha_dir')), '--tasks', 'piqa', '--limit', '2'],
+         'has no tokenizer (tokenizer.json or tokenizer.model)'),
+    Case('refit: source and converted swapped (the "converted" caches more)', 'dha-train',
+         lambda ctx: ['refit', str(_gqa_of(ctx)), str(ctx.fixture('mha_dir')), str(ctx.tmp / 'out'),
+                      '--data', str(ctx.data_root)],
+         "refit: the converted model caches 512 bytes per token (bf16), more than the source's 256"),
     Case('refit: a converted folder with no weights', 'dha-train',
          lambda ctx: ['refit', str(ctx.fixture('mha_dir')), str(_damaged_model(ctx, 'no weights')),
                       str(ctx.tmp / 'out'), '--data', str(ctx.data_root)],

@@ -36,6 +36,9 @@ def test_valid_recipe_resolves_variables_and_overrides(recipe, tmp_path):
      "optimizer.weight_decay=0.1: decoupled_adamw shrinks every weight by weight_decay x (lr / peak lr) each step "
      "(10% per step at the peak here), so it must be in [0, 0.001]. For torch AdamW's weight decay 0.1 at lr 2e-05, "
      "use 2e-06"),
+    (lambda r: r.update(algorithms={'attention_transfer': {'source_path': 'src'}, 'distillation': {'teacher_path': 't'}}),
+     "algorithms: attention_transfer and distillation each set the LM loss's weight (lm_weight), so together they "
+     'would weight it -1'),
     (lambda r: r.update(callbacks={'speed_monitor': {'window': 3}}), None),
 ])
 def test_bad_config_is_named(recipe, mutate, message):

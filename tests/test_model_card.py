@@ -76,3 +76,20 @@ def test_an_mla_card_states_its_latent_ranks(source, tmp_path):
     assert f'latent ranks {min(config.mla_ranks)}-{max(config.mla_ranks)}' in block['attention']
     assert block['fraction_of_source_kv'] == pytest.approx(0.5, abs=0.02)
     assert 'trust_remote_code=True' in body
+
+
+def test_a_deepseek_format_card_states_its_share_of_the_sources_mha_cache(source, tmp_path, data_root):
+    # transformers' DeepseekV3Config sets head_dim to qk_rope_head_dim: the card's MHA reference must not use it
+    from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
+
+    convert_to_deepseek(source, tmp_path / 'deepseek', DeepseekSettings(cache_fraction=0.25, rope_pairs=2,
+                                                                         data=str(data_root), tokens=256,
+                                                                         sample_tokens=128, batch_size=2))
+    header, body = read_model_card(tmp_path / 'deepseek')
+    block = _check_against_the_folder(tmp_path / 'deepseek', header)  # the MHA reference from the source's widths
+    config = AutoConfig.from_pretrained(tmp_path / 'deepseek')
+    assert config.model_type == 'deepseek_v3' and config.head_dim == config.qk_rope_head_dim != 16
+    assert block['method'] == 'mla_deepseek'
+    # the source is MHA: its share of MHA is its share of the source, a quarter to the latent rank's step
+    assert block['fraction_of_mha_kv'] == pytest.approx(block['fraction_of_source_kv']) == pytest.approx(0.25, abs=0.02)
+    assert f'kv_lora_rank {config.kv_lora_rank}' in block['attention']

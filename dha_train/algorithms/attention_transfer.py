@@ -16,10 +16,12 @@ kept on the layer's module per forward (never in a global list). At ``Event.AFTE
 (``lm_weight`` 0 by default). Under FSDP2, or with a positive ``lm_weight``, the layer output has the source's
 values with the converted output's gradient path (a straight-through carry: FSDP2 unshards a layer for backward
 from hooks on its outputs), so a positive ``lm_weight`` trains the converted attention on the LM loss with the stream
-teacher-forced; at 0 that term is exactly zero. Otherwise the source's output is returned as is and the backward
-pass stays inside each layer's attention.
-``trainable: attention`` (the default) freezes every parameter but the converted attentions'; ``all`` trains the rest
-too. ``transfer/layer<l>/mse`` and ``transfer/mse`` are logged per batch. The frozen source is not state: a resumed
+teacher-forced; at 0 that term is exactly zero. Otherwise the source's output is returned as is. Either way each
+converted attention reads its input detached, so a layer's MSE trains that layer's attention alone: without it, the
+carry let every later layer's MSE reach every earlier attention through the stream (layer-local gradients were off
+by 68% / 27% / 0% on a 3-layer model).
+``trainable: attention`` (the default and the only value) freezes every parameter but the converted attentions'.
+``transfer/layer<l>/mse`` and ``transfer/mse`` are logged per batch. The frozen source is not state: a resumed
 run builds it again at INIT and loads the checkpoint's copy of it with the model. Exports drop it
 (``methods.TRAINING_ONLY_MODULES``), so the exported model is the converted one alone.
 
@@ -46,7 +48,7 @@ from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.methods import TRAINING_ONLY_MODULES
 from dha_train.model_folders import check_model_folder
-from dha_train.models.llama_layout import TRAINABLE, hf_model, train_only_attention
+from dha_train.models.llama_layout import hf_model, train_only_attention
 
 SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
 
@@ -65,12 +67,23 @@ def _source_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _detached_input(module, args, kwargs):
+    """The converted attention reads its input detached: each layer's MSE trains that layer's attention alone, also
+    when the stream carries gradient paths (the straight-through carry), so transfer stays layer-local."""
+    if args:
+        return (args[0].detach(), *args[1:]), kwargs
+    return args, {**kwargs, 'hidden_states': kwargs['hidden_states'].detach()}
+
+
 class AttentionTransfer(Algorithm):
     def __init__(self, source_path: str, weight: float = 1.0, lm_weight: float = 0.0, trainable: str = 'attention'):
         if weight <= 0 or lm_weight < 0:
             raise ValueError(f'attention_transfer: weight must be > 0 and lm_weight >= 0, got {weight} and {lm_weight}')
-        if trainable not in TRAINABLE:
-            raise ValueError(f"attention_transfer: trainable must be one of {', '.join(TRAINABLE)}, got '{trainable}'")
+        if trainable != 'attention':
+            # anything else would let the MSE train embeddings, MLPs and norms through the stream: not teacher forcing
+            raise ValueError(f"attention_transfer: trainable must be 'attention' (each converted attention learns its "
+                             f"source's output on the source's stream), got '{trainable}'; train the rest with "
+                             'distillation (trainable: all)')
         check_model_folder(source_path, who='attention_transfer source_path', model_types=('llama',))
         self.source_path = Path(source_path)
         self.weight, self.lm_weight, self.trainable = weight, lm_weight, trainable
@@ -101,8 +114,7 @@ class AttentionTransfer(Algorithm):
                  for proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj')
                  for kind in (('weight', 'bias') if source_config.attention_bias else ('weight',))]
         tensors = {} if on_meta else _source_tensors(self.source_path, names)
-        if self.trainable == 'attention':
-            train_only_attention(model)
+        train_only_attention(model)
         # Building draws random initial weights; forking keeps them out of the training RNG streams (exact resume).
         with torch.random.fork_rng():
             for index, layer in enumerate(layers):
@@ -114,6 +126,7 @@ class AttentionTransfer(Algorithm):
                                             if name.startswith(prefix)})
                 source.requires_grad_(False)
                 layer.add_module(SOURCE_MODULE, source)
+                layer.self_attn.register_forward_pre_hook(_detached_input, with_kwargs=True)
                 layer.self_attn.register_forward_hook(self._hook(layer), with_kwargs=True)
                 self._layers.append(layer)
 
@@ -137,10 +150,10 @@ class AttentionTransfer(Algorithm):
             if not self._carry:
                 return (reference, *output[1:])
             # The layer carries the source's values on, with the converted output's autograd node behind them:
-            # FSDP2 unshards a layer for backward from hooks on its outputs, so the transfer loss must reach the
-            # converted attention through the layer output too, and a positive lm_weight trains it through the
-            # stream. Its gradient there is d(lm_weight * L_lm), exactly zero at lm_weight 0 (Event.AFTER_LOSS
-            # cancels the LM term on the same tensor), but the backward pass then runs through every layer.
+            # FSDP2 unshards a layer for backward from hooks on its outputs, so the backward pass must run through
+            # every layer's output, and a positive lm_weight trains the converted attention through the stream.
+            # Its gradient there is d(lm_weight * L_lm), exactly zero at lm_weight 0 (Event.AFTER_LOSS cancels the
+            # LM term on the same tensor). No MSE crosses layers: each converted attention reads a detached input.
             return (reference + (converted - converted.detach()), *output[1:])
         return teacher_forced
 

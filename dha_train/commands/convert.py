@@ -11,7 +11,7 @@ from dha_train.config import ConfigError
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, missing_tokenizer_note
 from dha_train.models.head_map import HeadMap, HeadMapError, source_head_map
 from dha_train.ops.deepseek import LATENT_NORM_FITS
 from dha_train.ops.mla import BALANCES, PAIR_CRITERIA
@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     print(f'dha-train convert: wrote {out} ({keys} K + {values} V heads per layer'
           f'{"" if len(set(head_map.kv_heads())) == 1 else " in layer 0 (varies by layer)"}; '
           f'{head_map.budget_text(source)})')
+    if note := missing_tokenizer_note(out, args.model_dir):
+        print(note)
     return 0
 
 
@@ -129,6 +131,8 @@ def run_mla(args: argparse.Namespace) -> int:
           f'{report["rope_pairs"]} RoPE pairs per K/V head; {report["cache_values_per_token"]} cache numbers per '
           f'token: {report["fraction_of_source"]:.1%} of the source KV cache, {report["fraction_of_mha"]:.1%} of '
           'MHA\'s)')
+    if note := missing_tokenizer_note(args.out_dir, args.model_dir):
+        print(note)
     return 0
 
 
@@ -145,4 +149,6 @@ def run_deepseek(args: argparse.Namespace) -> int:
           f'in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers, '
           f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
           f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')
+    if note := missing_tokenizer_note(args.out_dir, args.model_dir):
+        print(note)
     return 0

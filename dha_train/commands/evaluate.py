@@ -29,7 +29,7 @@ from dha_train.export import export_hf
 from dha_train.harness import RESULTS_FILE, SUITES, EvalError, check_tasks, headline, resolve_tasks, score_tasks
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import add_scores, read_model_card
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import TOKENIZER_FILES, check_model_folder, has_tokenizer
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
 
@@ -44,6 +44,9 @@ def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
             path = export_hf(path, Path(scratch) / 'hf')
         else:
             check_model_folder(path, who='eval')
+        if not has_tokenizer(path):
+            raise EvalError(f"eval: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the source model's "
+                            'tokenizer files into it')
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
                                                      torch_dtype=getattr(torch, dtype)).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from dha_train.conversion.refit import RefitSettings, refit_folder
+from dha_train.model_folders import missing_tokenizer_note
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,4 +34,6 @@ def run(args: argparse.Namespace) -> int:
                         for kind in ('key', 'value') if f'mean_{kind}_error_before' in report)
     print(f'dha-train refit: wrote {args.out_dir} ({report["kind"]}; mean relative {summary}; calibration '
           f'{report["calibration_seconds"]} s, fit {report["fit_seconds"]} s)')
+    if note := missing_tokenizer_note(args.out_dir, args.converted):
+        print(note)
     return 0

@@ -106,6 +106,10 @@ def _check_pair(source_config, converted_config) -> None:
                              f'{getattr(source_config, key)}: not a conversion of this source')
     if getattr(source_config, 'attention_bias', False):
         raise RefitError('refit: sources with attention biases are not supported (the fits have no bias term)')
+    source_bytes, converted_bytes = kv_cache_bytes(source_config, 1, 2), kv_cache_bytes(converted_config, 1, 2)
+    if converted_bytes > source_bytes:  # equal is the identity conversion, the refit's closed-form check
+        raise RefitError(f'refit: the converted model caches {converted_bytes} bytes per token (bf16), more than the '
+                         f"source's {source_bytes}: not a conversion of this source (are the two folders swapped?)")
 
 
 def _layer_gram(stats, layer: int) -> torch.Tensor:

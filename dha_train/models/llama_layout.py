@@ -20,6 +20,25 @@ def head_dim(config) -> int:
     return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
+def attention_head_widths(config) -> tuple[int, int]:
+    """(query/key, value) width of one attention head. DeepSeek's format (``deepseek_v3``) has a query/key head of
+    ``qk_nope_head_dim + qk_rope_head_dim`` and a value head of ``v_head_dim``; transformers sets its ``head_dim`` to
+    ``qk_rope_head_dim``, which is neither."""
+    if getattr(config, 'model_type', None) == 'deepseek_v3':
+        return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    width = head_dim(config)
+    return width, width
+
+
+def mha_kv_values(config) -> int:
+    """K+V values one token caches per layer in the model's MHA form: every query head with its own K and V head. For
+    DeepSeek's format that is the source's MHA, whose head width the conversion keeps as ``qk_nope_head_dim`` and
+    ``v_head_dim`` (the shared RoPE key is the conversion's own)."""
+    if getattr(config, 'model_type', None) == 'deepseek_v3':
+        return config.num_attention_heads * (config.qk_nope_head_dim + config.v_head_dim)
+    return 2 * config.num_attention_heads * head_dim(config)
+
+
 def hf_model(model: nn.Module) -> nn.Module:
     """The HF causal LM itself, whether given bare or inside Composer's ``HuggingFaceModel`` wrapper."""
     return model if hasattr(model, 'lm_head') else model.model

@@ -123,3 +123,44 @@ def test_a_deepseek_format_student_is_taught_by_the_source_at_the_sources_own_po
     assert bool(torch.isfinite(errors).all()) and float(errors.min()) > 0
     errors.mean().backward()
     assert all(parameter.grad is not None for name, parameter in student.named_parameters() if 'self_attn.kv_b' in name)
+
+
+def test_each_layers_mse_trains_only_its_own_attention_with_and_without_the_carry(tmp_path, tokenizer_dir):
+    """The loss is the LM term cancelled plus the mean layer MSE. Its gradient on layer l's converted attention must
+    be d(MSE_l)/L alone, also in carry mode (FSDP2's, and any positive lm_weight's), where the stream carries
+    gradient paths from every converted attention into the later layers."""
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def gradients(carry: bool, only_layer: int | None) -> dict[str, torch.Tensor]:
+        _, converted = _models(tmp_path / f'{carry}-{only_layer}', tokenizer_dir)
+        algorithm = AttentionTransfer(str(tmp_path / f'{carry}-{only_layer}' / 'source'))
+        algorithm._install(SimpleNamespace(model=converted))
+        algorithm._carry = carry
+        logits = converted(ids).logits
+        lm = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in converted.model.layers])
+        loss = lm + (algorithm.lm_weight - 1.0) * lm + errors.mean() if only_layer is None else errors[only_layer]
+        loss.backward()
+        return {name: p.grad.clone() for name, p in converted.named_parameters() if p.grad is not None}
+
+    totals = {carry: gradients(carry, None) for carry in (False, True)}
+    layers = 1 + max(int(name.split('.')[2]) for name in totals[False])
+    local = {}
+    for index in range(layers):  # each layer's own MSE gradient, on that layer's converted attention
+        prefix = f'model.layers.{index}.self_attn.'
+        local.update({name: grad / layers for name, grad in gradients(False, index).items() if name.startswith(prefix)})
+    for carry, total in totals.items():
+        assert total.keys() == local.keys()
+        for name, grad in local.items():
+            torch.testing.assert_close(total[name], grad, rtol=1e-4, atol=1e-8, msg=f'carry={carry}: {name}')
+
+
+def test_training_more_than_the_attention_is_refused_by_name():
+    # the MSE would train embeddings, MLPs and norms through the stream, which is not teacher forcing
+    import pytest
+
+    from dha_train import registry
+    from dha_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainable must be 'attention'.*got 'all'"):
+        registry.algorithms.build_all({'attention_transfer': {'source_path': 'unused', 'trainable': 'all'}})

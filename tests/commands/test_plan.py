@@ -143,3 +143,16 @@ def test_the_default_sequence_is_the_data_folders_and_the_models_context_without
                                           f'variables.save_root={tmp_path / "ckpt"}'])
     assert _data_seq_len(with_data) == prepared != SHAPE['max_position_embeddings']
     assert _data_seq_len(load_config(str(RECIPE), _overrides(config_only, tmp_path))) is None  # no folder: context
+
+
+def test_attention_flops_read_deepseeks_query_key_and_value_widths():
+    """DeepSeek's format scores with qk_nope + qk_rope wide heads and mixes values v_head_dim wide; transformers'
+    DeepseekV3Config sets head_dim to qk_rope_head_dim, which counted a fraction of both products."""
+    from transformers import DeepseekV3Config
+
+    from dha_train.plan import flops_per_token
+
+    config = DeepseekV3Config(hidden_size=576, num_attention_heads=9, num_hidden_layers=30, qk_nope_head_dim=64,
+                              qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=96, q_lora_rank=None)
+    assert config.head_dim == 32
+    assert flops_per_token(config, 1000, 0, 256) == 6 * 1000 + 2 * 30 * 9 * (96 * 256 * 3 + 64 * 256 * 3)
