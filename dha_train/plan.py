@@ -143,22 +143,36 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
             exact: bool = False) -> dict:
     """The per-rank peak of ``steps`` fake training steps of ``microbatch`` x ``seq_len`` tokens at ``world_size``.
 
-    A model deeper than ``PROBE_DEPTHS`` allows is measured at the probe depths (its first 3 and 4 layers, with the
-    teacher, the attention-transfer source and the head map cut alike) and extrapolated layer by layer (see
-    ``_extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B on one core)."""
+    A model deeper than ``PROBE_DEPTHS`` allows is measured at two probes (its first 3 layers, then those and its
+    widest later layer, with the teacher, the attention-transfer source and the head map cut alike) and extrapolated
+    layer by layer (see ``_extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B
+    on one core)."""
     depth = build_llama_config(config.model).num_hidden_layers
     if exact or depth <= PROBE_DEPTHS[-1] + 2:
         return _measure(config, world_size, microbatch, seq_len, steps)
-    with tempfile.TemporaryDirectory() as scratch:
-        shallow, deep = (_measure(_cut_to(config, layers, Path(scratch) / str(layers)), world_size, microbatch,
-                                  seq_len, steps) for layers in PROBE_DEPTHS)
     with _planning_process_group(world_size):
         full = _built(config)
         teacher_config = full.teacher_config
         teacher_layers = teacher_config.num_hidden_layers if teacher_config is not None else 0
-        return _extrapolated(shallow, deep, _layer_sizes(full.hf), teacher_layers,
-                             all_parameters=sum(p.numel() for p in full.hf.parameters()),
-                             teacher_parameters=_teacher_parameters(teacher_config))
+        layer_sizes = _layer_sizes(full.hf)
+        all_parameters = sum(p.numel() for p in full.hf.parameters())
+        teacher_parameters = _teacher_parameters(teacher_config)
+    probes = _probe_layers(layer_sizes)
+    with tempfile.TemporaryDirectory() as scratch:
+        shallow, deep = (_measure(_cut_to(config, layers, Path(scratch) / str(len(layers))), world_size, microbatch,
+                                  seq_len, steps) for layers in probes)
+    return _extrapolated(shallow, deep, probes[1], layer_sizes, teacher_layers, all_parameters=all_parameters,
+                         teacher_parameters=teacher_parameters)
+
+
+def _probe_layers(layer_sizes: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The layers of the two probes: the first ``PROBE_DEPTHS[0]``, then those and the widest later layer (the
+    lowest index among equals), so that what the second probe adds per layer bounds every later layer's activations
+    from above (per-layer MLA ranks that grow, a searched head map)."""
+    first = list(range(PROBE_DEPTHS[0]))
+    later = range(PROBE_DEPTHS[0], len(layer_sizes))
+    widest = max(later, key=lambda index: (layer_sizes[index][0], -index))
+    return first, first + [widest]
 
 
 def _measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int) -> dict:
@@ -280,31 +294,33 @@ def _teacher_parameters(teacher_config) -> int:
     return sum(p.numel() for p in causal_lm_on_meta(teacher_config).parameters())
 
 
-# The tracked peak grows by the same amount for every layer from the third on (LLaMA-2-7B at world size 8: +0.377
-# GiB a layer; tests/commands/test_plan.py holds an 8-layer extrapolation to the 8-layer measurement), so a deep
-# model is measured at its first 3 and 4 layers and extrapolated.
+# The tracked peak grows by the same amount for every layer of one width from the third on (LLaMA-2-7B at world size
+# 8: +0.377 GiB a layer; tests/commands/test_plan_recipes.py holds 7-layer extrapolations to the 7-layer
+# measurements), so a deep model is measured at its first 3 layers, then with its widest later layer as a 4th.
 PROBE_DEPTHS = (3, 4)
 
 
-def _extrapolated(shallow: dict, deep: dict, layer_sizes: list[tuple[int, int]], teacher_layers: int,
-                  all_parameters: int, teacher_parameters: int) -> dict:
+def _extrapolated(shallow: dict, deep: dict, deep_layers: list[int], layer_sizes: list[tuple[int, int]],
+                  teacher_layers: int, all_parameters: int, teacher_parameters: int) -> dict:
     """The whole model's reading from the probes': what a layer adds to the parameters (and to the gradients, the
     optimizer state and the checkpoint) is proportional to its own (trainable) parameters, taken from the whole
     model after INIT, so layers that differ (a searched DHA head map, per-layer MLA ranks) count as they are; the
-    activations (each checkpointed layer's input) grow by the probes' difference per layer; the FSDP buffers (one
-    layer unsharded) follow the largest layer; a teacher's shards grow by the probes' difference per layer."""
-    probe = deep['depth']
+    activations (each checkpointed layer's input) grow by the probes' difference per layer, that of the widest later
+    layer, so never less than they do; the FSDP buffers (one layer unsharded) follow the largest layer; a teacher's
+    shards grow by the probes' difference per layer."""
+    probe = len(deep_layers)
     a, b = shallow['reading'], deep['reading']
-    last_parameters, last_trainable = layer_sizes[probe - 1]
-    rest_parameters = sum(size for size, _ in layer_sizes[probe:])
-    rest_trainable = sum(trainable for _, trainable in layer_sizes[probe:])
-    extra_layers = len(layer_sizes) - probe
+    last_parameters, last_trainable = layer_sizes[deep_layers[-1]]
+    rest = [size for index, size in enumerate(layer_sizes) if index not in deep_layers]
+    rest_parameters = sum(size for size, _ in rest)
+    rest_trainable = sum(trainable for _, trainable in rest)
+    extra_layers = len(rest)
 
     def per_weight(delta: int, weight: int, rest: int) -> int:
         return round(delta / weight * rest) if weight else 0
 
     largest = max(size for size, _ in layer_sizes)
-    largest_probed = max(size for size, _ in layer_sizes[:probe])
+    largest_probed = max(layer_sizes[index][0] for index in deep_layers)
     reading = MemoryReading(
         parameters=b.parameters + per_weight(b.parameters - a.parameters, last_parameters, rest_parameters),
         gradients=b.gradients + per_weight(b.gradients - a.gradients, last_trainable, rest_trainable),
@@ -318,25 +334,26 @@ def _extrapolated(shallow: dict, deep: dict, layer_sizes: list[tuple[int, int]],
                                                        checkpoint_weight, 4 * rest_parameters + 8 * rest_trainable)
     return {**deep, 'reading': reading, 'checkpoint_bytes': checkpoint, 'all_parameters': all_parameters,
             'teacher_parameters': teacher_parameters, 'layer_sizes': layer_sizes, 'depth': len(layer_sizes),
-            'extrapolated_from': list(PROBE_DEPTHS)}
+            'extrapolated_from': list(PROBE_DEPTHS), 'probe_layers': deep_layers}
 
 
 _PER_LAYER_CONFIG_KEYS = ('mla_ranks', 'mla_rope_pairs', 'moh_shared_heads', 'moh_top_k', 'layer_types')
 
 
-def _cut_config(values: dict, layers: int) -> dict:
-    """An HF config's dict with its first ``layers`` decoder layers (and the per-layer settings cut alike)."""
-    values = dict(values, num_hidden_layers=layers)
+def _cut_config(values: dict, layers: list[int]) -> dict:
+    """An HF config's dict with the decoder ``layers`` named (and the per-layer settings cut alike)."""
+    values = dict(values, num_hidden_layers=len(layers))
     for key in _PER_LAYER_CONFIG_KEYS:
         if isinstance(values.get(key), list):
-            values[key] = values[key][:layers]
+            values[key] = [values[key][index] for index in layers]
     if isinstance(values.get('head_map'), dict):
-        values['head_map'] = {**values['head_map'], 'layers': values['head_map']['layers'][:layers]}
+        values['head_map'] = {**values['head_map'], 'layers': [values['head_map']['layers'][i] for i in layers]}
     return values
 
 
-def _cut_folder(folder: Path, layers: int, out: Path) -> str:
-    """``folder`` with its config cut to ``layers`` layers; its other files (tokenizer, weights) linked."""
+def _cut_folder(folder: Path, layers: list[int], out: Path) -> str:
+    """``folder`` with its config cut to ``layers``; its other files (tokenizer, weights) linked (a plan builds on
+    fake tensors and reads no weight)."""
     out.mkdir(parents=True)
     for item in folder.iterdir():
         if item.name != 'config.json':
@@ -346,9 +363,9 @@ def _cut_folder(folder: Path, layers: int, out: Path) -> str:
     return str(out)
 
 
-def _cut_to(config: TrainConfig, layers: int, scratch: Path) -> TrainConfig:
-    """The run with the first ``layers`` layers of its model and of every model folder or head map its algorithms
-    name (a teacher, an attention-transfer source, a Fusion head map), in folders under ``scratch``."""
+def _cut_to(config: TrainConfig, layers: list[int], scratch: Path) -> TrainConfig:
+    """The run with the decoder ``layers`` of its model and of every model folder or head map its algorithms name
+    (a teacher, an attention-transfer source, a Fusion head map), in folders under ``scratch``."""
     cut = copy.deepcopy(config)
     if cut.model.pretrained_path is not None:
         cut.model.pretrained_path = _cut_folder(Path(cut.model.pretrained_path), layers, scratch / 'model')
@@ -365,7 +382,8 @@ def _cut_to(config: TrainConfig, layers: int, scratch: Path) -> TrainConfig:
                 head_map = json.loads(path.read_text())
                 if isinstance(head_map, dict) and isinstance(head_map.get('layers'), list):
                     settings[key] = str(scratch / f'{name}.{key}.json')
-                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': head_map['layers'][:layers]}))
+                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': [head_map['layers'][i]
+                                                                                       for i in layers]}))
     return cut
 
 
@@ -490,7 +508,8 @@ def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu:
             'flops_per_token': flops, 'mfu': mfu, 'tokens_per_s': tokens_per_s, 'run_tokens': tokens,
             'wall_hours': tokens / tokens_per_s / 3600, 'checkpoint_gib': measured['checkpoint_bytes'] / GIB,
             'parameters': measured['all_parameters'], 'teacher_parameters': measured['teacher_parameters'],
-            'layers': measured['depth'], 'extrapolated_from': measured['extrapolated_from']}
+            'layers': measured['depth'], 'extrapolated_from': measured['extrapolated_from'],
+            'probe_layers': measured.get('probe_layers')}
 
 
 def largest_fitting_microbatch(config: TrainConfig, world_size: int, seq_len: int, usable_bytes: float,

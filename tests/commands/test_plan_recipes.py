@@ -104,7 +104,7 @@ SHIPPED = sorted(str(path.relative_to(REPO / 'yamls')) for path in (REPO / 'yaml
 
 
 DEEP_LAYERS = 7  # deeper than the probes (3 and 4 layers) allow without extrapolating
-DEEP_KINDS = ('uniform', 'per-layer MLA ranks')
+DEEP_KINDS = ('uniform', 'per-layer MLA ranks', 'per-layer MLA ranks, no activation checkpointing')
 
 
 def _deep_config(kind: str) -> dict:
@@ -138,7 +138,8 @@ def plans(tmp_path_factory) -> dict:
             jobs[f'deep {kind} exact={exact}'] = {
                 'recipe': str(REPO / 'yamls' / 'pretrain' / 'llama2_7b_cpt.yaml'),
                 'overrides': [f'variables.model_path={root / f"deep-{kind}"}', *folders, 'global_train_batch_size=16',
-                              'device_train_microbatch_size=2'],
+                              'device_train_microbatch_size=2',
+                              f'model.activation_checkpointing={"no activation" not in kind}'],
                 'options': {'search_largest': False, 'exact': exact}}
     done = subprocess.run([sys.executable, str(REPO / 'tests' / 'scripts' / 'plan_jobs.py')], input=json.dumps(jobs),
                           capture_output=True, text=True, timeout=1200, cwd=REPO,
@@ -173,6 +174,7 @@ def test_extrapolating_a_deep_model_equals_tracking_every_layer(kind, plans):
         for category, value in tracked['by_category_gib'].items():
             assert extrapolated['by_category_gib'][category] == pytest.approx(value, rel=0.01, abs=0.01), category
         assert extrapolated['peak_gib'] == pytest.approx(tracked['peak_gib'], rel=0.01)
-    else:  # the peak falls at another layer's backward, so its split (gradients held, the layer unsharded) moves;
-        # measured: 7.50 extrapolated against 7.45 GiB tracked
-        assert extrapolated['peak_gib'] == pytest.approx(tracked['peak_gib'], rel=0.02)
+    else:  # the later layers are wider than the 4th: the second probe takes the widest (6), so the plan may say a
+        # little more than tracking every layer, never less by more than 1%
+        assert extrapolated['probe_layers'] == [0, 1, 2, 6]
+        assert tracked['peak_gib'] * 0.99 <= extrapolated['peak_gib'] <= tracked['peak_gib'] * 1.15
