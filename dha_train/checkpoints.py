@@ -9,14 +9,24 @@ directory and unpickles ``data.pkl`` with ``weights_only=True, mmap=True``: the 
 7B checkpoint is not read twice, and a pickle naming anything but tensors, plain data and ``SAFE_GLOBALS`` is refused
 before Composer unpickles it. ``load_composer_state`` (export) is the same load and keeps the mapped tensors.
 
-Not checked: bit flips inside tensor data (that would mean reading every byte); a sharded folder's ``.metadata`` and
-non-tensor items are unpickled by torch.distributed.checkpoint itself, for this check as for Composer and export.
+Sharded folders run no code either: importing this module replaces torch.distributed.checkpoint's two plain-pickle
+reads, for this check and for Composer and export alike (Composer 0.32.1 and torch 2.7 execute whatever a
+``.metadata`` or a non-tensor item names): ``FileSystemReader.read_metadata`` first unpickles ``.metadata`` allowing
+only the DCP metadata classes, tensor sizes, dtypes and layouts and paths (``METADATA_GLOBALS``), and
+``DefaultLoadPlanner.load_bytes`` first reads each non-tensor item with ``weights_only=True`` and ``SAFE_GLOBALS``;
+torch's own read runs only on what passed (the same pickle then builds nothing else), whichever torch version. The check
+reads every non-tensor item of a sharded folder this way too (they are small), so a folder naming anything else is
+refused in one line before Composer sees it.
+
+Not checked: bit flips inside tensor data (that would mean reading every byte).
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import pickle
 import re
 import tempfile
 import zipfile
@@ -27,7 +37,10 @@ import numpy as np
 import torch
 from composer.utils import checkpoint as composer_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.torch_version import TorchVersion
 
 from dha_train.errors import DhaTrainError, OutputExistsError
@@ -56,8 +69,87 @@ SAFE_GLOBALS: list[Any] = [
 ]
 
 
+# What a torch.distributed.checkpoint ``.metadata`` (torch 2.7, as Composer 0.32.1 writes it) names: its dataclasses,
+# the storage info of the filesystem writer, tensor sizes, dtypes and layouts, and the checkpoint's path.
+METADATA_GLOBALS = frozenset({
+    *(('torch.distributed.checkpoint.metadata', name) for name in (
+        'Metadata', 'MetadataIndex', 'StorageMeta', 'TensorStorageMetadata', 'BytesStorageMetadata',
+        'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')),
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'),
+    ('torch', 'Size'), ('torch.serialization', '_get_layout'),
+    ('pathlib', 'PosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PurePosixPath'), ('pathlib', 'PureWindowsPath'),
+})
+
+
 class CheckpointError(DhaTrainError, ValueError):
     """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint that names code to run: refused before anything of it runs."""
+
+
+def _refused_type(exc: Exception) -> str | None:
+    """The type torch's weights_only unpickler refused: 'GLOBAL os.system ...' or 'Can only build ..., but got
+    <class 'x.Y'>'."""
+    refused = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(exc))
+    return (refused.group(1) or refused.group(2)) if refused else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` building only ``METADATA_GLOBALS`` and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == 'torch' and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names {module}.{name}, which a torch.distributed.checkpoint '
+                                    'metadata file does not hold; dha-train refuses to unpickle it')
+
+
+def _checked_metadata_reader(read_metadata):
+    """``FileSystemReader.read_metadata`` that first unpickles the ``.metadata`` file with ``_MetadataUnpickler``:
+    torch's own read (plain pickle) then only ever sees a file that builds nothing else."""
+    def checked(self: FileSystemReader) -> dcp_metadata.Metadata:
+        with open(Path(self.path) / SHARDED_METADATA, 'rb') as metadata_file:
+            _MetadataUnpickler(metadata_file).load()
+        return read_metadata(self)
+    checked.dha_train_checked = True
+    return checked
+
+
+def check_byte_item(raw: bytes, name: str) -> None:
+    """Unpickle a DCP non-tensor item as dha-train allows (weights_only, ``SAFE_GLOBALS``); a refused type raises
+    ``UnsafeCheckpointError`` naming it."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            torch.load(io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"its item {name} names {_refused_type(exc) or 'an object weights_only refuses'}, "
+                                    'not one of the types a checkpoint of `dha-train train` holds; dha-train refuses '
+                                    'to unpickle it') from None
+
+
+def _checked_load_bytes(load_bytes):
+    """``DefaultLoadPlanner.load_bytes`` that hands torch's own load (``weights_only=False``) only an item that
+    ``check_byte_item`` accepted: the same pickle then builds nothing beyond ``SAFE_GLOBALS``."""
+    def checked(self: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
+        raw = value.read()
+        check_byte_item(raw, read_item.dest_index.fqn)
+        load_bytes(self, read_item, io.BytesIO(raw))
+    checked.dha_train_checked = True
+    return checked
+
+
+def install_safe_sharded_loading() -> None:
+    """Check what torch.distributed.checkpoint unpickles before it does (see the module docstring); idempotent."""
+    if not getattr(FileSystemReader.read_metadata, 'dha_train_checked', False):
+        FileSystemReader.read_metadata = _checked_metadata_reader(FileSystemReader.read_metadata)
+    if not getattr(DefaultLoadPlanner.load_bytes, 'dha_train_checked', False):
+        DefaultLoadPlanner.load_bytes = _checked_load_bytes(DefaultLoadPlanner.load_bytes)
+
+
+install_safe_sharded_loading()
 
 
 def _incomplete(path: Path, why: str) -> CheckpointError:
@@ -95,11 +187,10 @@ def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
         return torch_load(path, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt or foreign files
         shown = shown or path
-        # The type weights_only refused: 'GLOBAL os.system ...' or 'Can only build ..., but got <class 'x.Y'>'.
-        refused = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(exc))
+        refused = _refused_type(exc)
         if refused:
             raise CheckpointError(
-                f'{shown} holds a {refused.group(1) or refused.group(2)} object, not one of the types a checkpoint of '
+                f'{shown} holds a {refused} object, not one of the types a checkpoint of '
                 '`dha-train train` holds: dha-train reads checkpoints with torch.load(weights_only=True) and refuses '
                 'it') from exc
         # torch's weights-only errors are a page long; their one informative line names what it could not unpickle.
@@ -145,6 +236,8 @@ def _check_folder(path: Path) -> None:
         ends: dict[str, int] = {}
         for info in metadata.storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(f'{path}: {exc}') from None
     except Exception as exc:  # pickle raises many types for a corrupt or foreign file
         raise _incomplete(path, f'its {SHARDED_METADATA} is unreadable ({type(exc).__name__}: {exc})') from exc
     for name, end in sorted(ends.items()):
@@ -156,6 +249,23 @@ def _check_folder(path: Path) -> None:
                                     f'places data up to byte {end}')
     if not any(key.startswith('state.model.') for key in metadata.state_dict_metadata):
         raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+    _check_byte_items(path, metadata)
+
+
+def _check_byte_items(path: Path, metadata: dcp_metadata.Metadata) -> None:
+    """Unpickle every non-tensor item of a sharded folder as loading will (``check_byte_item``)."""
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        with open(path / info.relative_path, 'rb') as shard:
+            shard.seek(info.offset)
+            raw = shard.read(info.length)
+        try:
+            check_byte_item(raw, index.fqn)
+        except UnsafeCheckpointError as exc:
+            raise CheckpointError(f'{path}: {exc}') from None
+        except Exception as exc:  # a torn or foreign item
+            raise _incomplete(path, f'its item {index.fqn} is unreadable ({type(exc).__name__}: {exc})') from exc
 
 
 def check_checkpoint(path: str | Path) -> Path:

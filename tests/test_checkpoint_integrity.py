@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from dha_train.checkpoints import LATEST, SAFE_GLOBALS, CheckpointError, check_checkpoint, load_composer_state
 from dha_train.config import load_config
@@ -227,3 +228,54 @@ def test_cli_refuses_a_truncated_autoresume_checkpoint_in_one_line(saved, tmp_pa
     assert len(errors) == 1 and 'Traceback' not in done.stderr
     assert errors[0].startswith(f'dha-train: error: autoresume: cannot read checkpoint {folder / "ep0-ba2-rank0.pt"}')
     assert _snapshot(folder) == before
+
+
+def _malicious(kind: str, folder: Path, marker: Path) -> Path:
+    """A checkpoint whose unpickling with plain pickle would create ``marker``: a sharded folder whose ``.metadata``
+    carries the payload, one whose non-tensor item does, or a single file."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {'state': {'model': {'model.w': torch.arange(8.0)}, 'timestamp': {'batch': 3}}}
+    if kind == 'single file':
+        path = folder / 'ep0-ba1-rank0.pt'
+        folder.mkdir()
+        torch.save({**state, 'payload': _Marker(marker)}, path)
+        return path
+    if kind == 'sharded byte item':
+        state['state']['payload'] = _Marker(marker)  # DCP torch.saves non-tensor items into the shard file
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    if kind == 'sharded .metadata':
+        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata.planner_data = _Marker(marker)
+        (folder / '.metadata').write_bytes(pickle.dumps(metadata))
+    return folder
+
+
+@pytest.mark.parametrize('kind', ['sharded .metadata', 'sharded byte item', 'single file'])
+def test_a_checkpoint_that_would_run_code_is_refused_by_resume_export_and_eval(kind, tmp_path, data_root,
+                                                                                tokenizer_dir, capfd):
+    from helpers import refused_in_one_line
+
+    marker = tmp_path / 'pwned'
+    checkpoint = _malicious(kind, tmp_path / 'ckpt', marker)
+    recipe = write_recipe(tmp_path / 'recipe.yaml', tiny_recipe(data_root, tokenizer_dir, run_name='integrity',
+                                                                save_folder=str(tmp_path / 'new')))
+    refusals = {'resume': ['train', str(recipe), f'load_path={checkpoint}'],
+                'export': ['export', str(checkpoint), str(tmp_path / 'hf')],
+                'eval': ['eval', str(checkpoint), '--tasks', 'piqa', '--limit', '2']}
+    for command, argv in refusals.items():
+        line = refused_in_one_line(argv, tmp_path, capfd)
+        assert 'os.makedirs' in line, (command, line)
+        assert not marker.exists(), f'{command} ran the payload'
+    assert not (tmp_path / 'new').exists() and not (tmp_path / 'hf').exists()
+    # torch.distributed.checkpoint's own readers refuse it too, whoever calls them (Composer's load, export's gather)
+    if kind != 'single file':
+        import torch.distributed.checkpoint as dcp
+
+        with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
+            dcp.load({'state': {'model': {'model.w': torch.zeros(8)}, 'timestamp': {'batch': 0}, 'payload': None}},
+                     checkpoint_id=str(checkpoint), no_dist=True)
+        assert 'UnsafeCheckpointError' in str(caught.value) and 'refuses to unpickle' in str(caught.value)
+        assert not marker.exists()
