@@ -226,7 +226,7 @@ def _load_file(path: Path) -> dict:
     return _check_state(_load(path, mmap=True), path)
 
 
-def _check_folder(path: Path) -> None:
+def _check_sharded(path: Path) -> None:
     """A sharded (torch.distributed.checkpoint) folder: its .metadata, and every shard file long enough for it."""
     if not (path / SHARDED_METADATA).is_file():
         hint = f'; its {LATEST} link names the latest checkpoint' if (path / LATEST).is_symlink() else ''
@@ -236,8 +236,8 @@ def _check_folder(path: Path) -> None:
         ends: dict[str, int] = {}
         for info in metadata.storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    except UnsafeCheckpointError as exc:
-        raise CheckpointError(f'{path}: {exc}') from None
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:  # pickle raises many types for a corrupt or foreign file
         raise _incomplete(path, f'its {SHARDED_METADATA} is unreadable ({type(exc).__name__}: {exc})') from exc
     for name, end in sorted(ends.items()):
@@ -252,6 +252,14 @@ def _check_folder(path: Path) -> None:
     _check_byte_items(path, metadata)
 
 
+def _check_folder(path: Path) -> None:
+    """``_check_sharded``, naming the folder when it refuses a pickle that would run code."""
+    try:
+        _check_sharded(path)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(f'{path}: {exc}') from None
+
+
 def _check_byte_items(path: Path, metadata: dcp_metadata.Metadata) -> None:
     """Unpickle every non-tensor item of a sharded folder as loading will (``check_byte_item``)."""
     for index, info in metadata.storage_data.items():
@@ -262,8 +270,8 @@ def _check_byte_items(path: Path, metadata: dcp_metadata.Metadata) -> None:
             raw = shard.read(info.length)
         try:
             check_byte_item(raw, index.fqn)
-        except UnsafeCheckpointError as exc:
-            raise CheckpointError(f'{path}: {exc}') from None
+        except UnsafeCheckpointError:
+            raise
         except Exception as exc:  # a torn or foreign item
             raise _incomplete(path, f'its item {index.fqn} is unreadable ({type(exc).__name__}: {exc})') from exc
 

@@ -340,14 +340,18 @@ def _extrapolated(shallow: dict, deep: dict, deep_layers: list[int], layer_sizes
 _PER_LAYER_CONFIG_KEYS = ('mla_ranks', 'mla_rope_pairs', 'moh_shared_heads', 'moh_top_k', 'layer_types')
 
 
+def _picked(items: list, layers: list[int]) -> list:
+    return [items[index] for index in layers]
+
+
 def _cut_config(values: dict, layers: list[int]) -> dict:
     """An HF config's dict with the decoder ``layers`` named (and the per-layer settings cut alike)."""
     values = dict(values, num_hidden_layers=len(layers))
     for key in _PER_LAYER_CONFIG_KEYS:
         if isinstance(values.get(key), list):
-            values[key] = [values[key][index] for index in layers]
+            values[key] = _picked(values[key], layers)
     if isinstance(values.get('head_map'), dict):
-        values['head_map'] = {**values['head_map'], 'layers': [values['head_map']['layers'][i] for i in layers]}
+        values['head_map'] = {**values['head_map'], 'layers': _picked(values['head_map']['layers'], layers)}
     return values
 
 
@@ -382,8 +386,8 @@ def _cut_to(config: TrainConfig, layers: list[int], scratch: Path) -> TrainConfi
                 head_map = json.loads(path.read_text())
                 if isinstance(head_map, dict) and isinstance(head_map.get('layers'), list):
                     settings[key] = str(scratch / f'{name}.{key}.json')
-                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': [head_map['layers'][i]
-                                                                                       for i in layers]}))
+                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': _picked(head_map['layers'],
+                                                                                              layers)}))
     return cut
 
 

@@ -138,19 +138,19 @@ def run_serve_bench(settings: ServeSettings) -> dict:
 
     files: dict[tuple[str, str], Path] = {}
     for name, row in list(rows.items()):
+        paths = {(name, outtype): out / 'gguf' / f"{name.replace(' ', '_').replace('/', '-')}.{outtype}.gguf"
+                 for outtype in settings.outtypes}
         try:
-            for outtype in settings.outtypes:
-                path = out / 'gguf' / f"{name.replace(' ', '_').replace('/', '-')}.{outtype}.gguf"
+            for (_, outtype), path in paths.items():
                 export_gguf(row['hf_folder'], path, outtype=outtype, overwrite=True)
-                files[name, outtype] = path
         except GgufExportError as exc:  # a model no engine serves is a finding of the bench, not a reason to stop
             if name == 'source':
                 raise
             del rows[name]
-            for outtype in settings.outtypes:
-                files.pop((name, outtype), None)
             missing.append(f"{name}: {row['label']} does not serve in llama.cpp: {exc}")
             print(f'[bench serve] skipped {missing[-1]}', flush=True)
+            continue
+        files.update(paths)
     print(f'[bench serve] exported {len(files)} GGUF files to {out / "gguf"}', flush=True)
 
     timings: dict[tuple[str, str, int], dict] = {}
