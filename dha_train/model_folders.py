@@ -13,6 +13,7 @@ Every command that takes a model folder (convert, refit, search, align, eval, an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Iterator
@@ -35,6 +36,18 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')  # what AutoTokenizer ne
 
 class ModelFolderError(DhaTrainError, ValueError):
     """A model folder that cannot be loaded: the message names the folder and what is wrong."""
+
+
+def folder_digest(folder: str | Path, skip: tuple[str, ...] = ('README.md',)) -> str:
+    """sha256 over a model folder's files (names and bytes, in name order; the model card left out): a model and
+    tokenizer identity that changes when any weight, config or tokenizer file does, whatever the folder is called."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name not in skip):
+        digest.update(path.name.encode() + b'\0')
+        with path.open('rb') as handle:
+            for block in iter(lambda: handle.read(1 << 20), b''):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def has_tokenizer(folder: str | Path) -> bool:

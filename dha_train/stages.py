@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from composer import Callback, Logger, State
 from composer.loggers import InMemoryLogger
 
 from dha_train.config import ConfigError, TrainConfig, load_config
@@ -150,10 +152,11 @@ def train_recipe(config: TrainConfig, extra_callbacks=()) -> tuple:
 
 
 def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extra_callbacks=(),
-                recipe_callbacks: bool = True) -> tuple:
-    """One recipe of ``yamls/`` in this process (one rank, no FSDP): (trainer, config, history).
-    ``recipe_callbacks=False`` drops the recipe's callbacks (for timing)."""
-    overrides = overrides + ['fsdp.enabled=false']
+                recipe_callbacks: bool = True, fsdp: bool = False) -> tuple:
+    """One recipe of ``yamls/`` in this process (one rank): (trainer, config, history). Without FSDP unless
+    ``fsdp=True``, which keeps the recipe's ``fsdp`` section (FSDP2 over a world of one, the code path of a
+    launched multi-rank run). ``recipe_callbacks=False`` drops the recipe's callbacks (for timing)."""
+    overrides = overrides + ([] if fsdp else ['fsdp.enabled=false'])
     if max_batches is not None:
         overrides.append(f'max_duration={max_batches}ba')
     config = load_config(recipe_path(recipe), overrides)
@@ -161,6 +164,19 @@ def train_stage(recipe: str, overrides: list[str], max_batches: int | None, extr
         config.callbacks = {}
     trainer, history = train_recipe(config, extra_callbacks)
     return trainer, config, history
+
+
+class BatchDigests(Callback):
+    """A short digest of each training batch's token ids, in order (the first ``keep``): which data a stage saw,
+    so a record can show that two stages did not train on the same batches."""
+
+    def __init__(self, keep: int = 64):
+        self.keep, self.digests = keep, []
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if len(self.digests) < self.keep:
+            ids = state.batch['input_ids'].detach().cpu().contiguous()
+            self.digests.append(hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12])
 
 
 def mean_eval(history: dict, position: int) -> dict:

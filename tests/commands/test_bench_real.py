@@ -65,7 +65,7 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
         out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
         tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=limit, val_tokens=4 * SEQ_LEN, calib_tokens=128,
         search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False,
-        isolate_stages=False)
+        isolate_stages=False, overrides={'threshold': 1.0e6})  # Fusion stops after its margin warm-up: CT follows
     results = run_real_bench(settings)
     rows = {row['label']: row for row in results['rows']}
     teacher = LlamaConfig.from_pretrained(source)
@@ -101,20 +101,25 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     # the servable DHA: at kv1 DHA's only map, so DHA's rows; at kv2 one count per layer for K and V, from {1, 3}
     assert rows['DHA-servable kv1 @0']['same_as'] == 'DHA kv1 @0'
     assert rows['DHA-servable kv1 post-fusion']['val_loss'] == rows['DHA kv1 post-fusion']['val_loss']
-    found = json.loads(next((tmp_path / 'bench' / 'runs').glob('*/dha-servable-kv2-search/DONE.json')).read_text())
+    found = json.loads(next((tmp_path / 'bench' / 'runs').glob('*/dha-servable-kv2-search-*/DONE.json')).read_text())
     servable = HeadMap.load(found['head_map'])
     assert found['searched'] and servable.servable_problems() == []
     assert sorted(servable.kv_heads()) == [(1, 1), (3, 3)]  # 8 of the 12 K+V heads: one layer keeps 3, one 1
     assert [tuple(c) for c in rows['DHA-servable kv2 post-fusion']['kv_heads_per_layer']] == servable.kv_heads()
+    # F1: DHA's CT continues on other batches than its Fusion saw (it once restarted the stream and replayed them)
+    stages = dict(_finished_stages(tmp_path / 'bench'))
+    fusion, ct = stages['dha-kv2-fusion']['batch_digests'], stages['dha-kv2-ct']['batch_digests']
+    assert len(fusion) == rows['DHA kv2 post-fusion']['fusion_batches'] and len(fusion) + len(ct) == 2
+    assert not set(fusion) & set(ct)
     labels = [row['label'] for row in results['rows']]
-    assert labels.index('DHA kv2 +CT' if 'DHA kv2 +CT' in rows else 'DHA kv2 post-fusion') \
+    assert labels.index('DHA kv2 +CT') \
         < labels.index('DHA-servable kv2 @0') < labels.index('MLA kv2 @0')
 
     # the teacher's accuracy, computed independently of lm-eval, on the same first `limit` documents
     acc, acc_norm = _local_task_accuracy(source, task, limit)
     assert rows['teacher']['metric'][LOCAL_TASK] == 'acc_norm'
     assert rows['teacher']['accuracy'][LOCAL_TASK] == pytest.approx(acc_norm)
-    eval_file = next((tmp_path / 'bench' / 'runs').glob('*/eval/*/teacher/eval_results.json'))
+    eval_file = next((tmp_path / 'bench' / 'runs').glob('*/eval/teacher-*/eval_results.json'))
     assert json.loads(eval_file.read_text())['scores'][LOCAL_TASK]['acc'] == pytest.approx(acc)
 
     saved = json.loads((tmp_path / 'bench' / 'results.json').read_text())
@@ -130,18 +135,41 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     assert rows['MLA kv2 +CT']['val_loss'] == {row['label']: row for row in again['rows']}['MLA kv2 +CT']['val_loss']
 
 
+def _stage_name(folder, bench) -> str:
+    """A stage folder's name without its key digest (data stages: data-train / data-heldout; evaluations: eval:)."""
+    if folder.parent == bench:
+        return '-'.join(folder.name.split('-')[:2])
+    return ('eval:' if folder.parent.name == 'eval' else '') + folder.name.rsplit('-', 1)[0]
+
+
+def _finished_stages(bench) -> list[tuple[str, dict]]:
+    """Every finished stage under the bench folder: (its name without the key digest, its result)."""
+    return [(_stage_name(path.parent, bench), json.loads(path.read_text())) for path in bench.rglob('DONE.json')]
+
+
+def _stages_run(bench, settings) -> set[str]:
+    """The stages a run of ``settings`` made anew (not reused)."""
+    before = {path.parent for path in bench.rglob('DONE.json')}
+    run_real_bench(settings)
+    return {_stage_name(path.parent, bench) for path in bench.rglob('DONE.json') if path.parent not in before}
+
+
 @pytest.mark.slow
 def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp_path, tokenizer_dir, data_root):
     """Healing rows after a 0-token conversion: refit (0 tokens, lower refit errors), attention transfer and KL
-    (together the CT row's tokens), each stage run in its own process."""
+    (together the CT row's tokens). Then re-runs with one setting changed each:
+    exactly the stages that read it run again (the stage keys), and no two training stages replay each other's
+    batches."""
     source = _tiny_gqa(tmp_path / 'gqa', tokenizer_dir)
     raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
     task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=2, max_words=120)
-    results = run_real_bench(RealSettings(
-        out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
-        tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, calib_tokens=128,
+    bench = tmp_path / 'bench'
+    settings = RealSettings(
+        out=str(bench), device='cpu', source=str(source), train_data=str(data_root),
+        tokens=2 * 4 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, calib_tokens=128,
         refit_tokens=512, search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)],
-        methods=('mean_pool',), budgets=('kv1',), isolate_stages=False))
+        methods=('mean_pool',), budgets=('kv1',), isolate_stages=False)
+    results = run_real_bench(settings)
     rows = {row['label']: row for row in results['rows']}
     budget = results['settings']['training_tokens_per_method']
     assert rows['mean-pool kv1 +refit']['tokens'] == 0 and rows['mean-pool kv1 +refit']['stage'] == 'refit'
@@ -149,9 +177,39 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
     assert rows['mean-pool kv1 +KL']['tokens'] == rows['mean-pool kv1 +CT']['tokens'] == budget
     for label in ('+refit', '+transfer', '+KL'):
         assert rows[f'mean-pool kv1 {label}']['kv_bytes'] == rows['mean-pool kv1 @0']['kv_bytes']
-    refit = json.loads((tmp_path / 'bench' / 'runs').glob('*/meanpool-kv1-refit/DONE.json').__next__().read_text())
+    stages = dict(_finished_stages(bench))
+    refit = stages['meanpool-kv1-refit']
     assert refit['mean_key_error_after'] < refit['mean_key_error_before']
     assert refit['mean_value_error_after'] < refit['mean_value_error_before']
+    # each training stage draws its own batches: none replays another's (the fix of DHA's CT replaying Fusion)
+    transfer, kl, ct = (stages[f'meanpool-kv1-{name}']['batch_digests'] for name in ('transfer', 'kl', 'ct'))
+    assert len(transfer) == 2 and len(kl) == 2 and len(ct) == 4
+    assert not set(transfer) & set(kl) and transfer[0] != ct[0] and kl[0] != ct[0]
+
+    evals = {f'eval:mean-pool-kv1-{label}' for label in ('0', 'refit', 'transfer', 'kl', 'ct')} | {'eval:teacher'}
+    # the same settings: every stage reused
+    assert _stages_run(bench, settings) == set()
+    # each setting re-runs exactly the stages that read it, and the evaluations of their models
+    assert _stages_run(bench, replace(settings, refit_tokens=256)) == {
+        'meanpool-kv1-refit', 'meanpool-kv1-transfer', 'meanpool-kv1-kl', 'eval:mean-pool-kv1-refit',
+        'eval:mean-pool-kv1-transfer', 'eval:mean-pool-kv1-kl'}
+    assert _stages_run(bench, replace(settings, transfer_fraction=0.75)) == {
+        'meanpool-kv1-transfer', 'meanpool-kv1-kl', 'eval:mean-pool-kv1-transfer', 'eval:mean-pool-kv1-kl'}
+    assert _stages_run(bench, replace(settings, microbatch=1)) == {
+        'meanpool-kv1-transfer', 'meanpool-kv1-kl', 'meanpool-kv1-ct', 'eval:mean-pool-kv1-transfer',
+        'eval:mean-pool-kv1-kl', 'eval:mean-pool-kv1-ct'}
+    assert _stages_run(bench, replace(settings, eval_batch_size=2)) == evals
+    # the control: the same seed and data give the same batches (the CT at micro-batch 1 saw the CT's batches)
+    assert [stage['batch_digests'] for name, stage in _finished_stages(bench) if name == 'meanpool-kv1-ct'] == [ct, ct]
+    # F2: another seed, and another model in the same folder, are new stages (the mean-pool conversion reads neither
+    # a seed nor data, only the source)
+    trained = {f'meanpool-kv1-{name}' for name in ('refit', 'transfer', 'kl', 'ct')}
+    assert _stages_run(bench, replace(settings, seed=18)) == trained | evals
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig.from_pretrained(source)).save_pretrained(source)
+    assert _stages_run(bench, replace(settings, heal=False)) == {
+        'data-heldout', 'meanpool-kv1-convert', 'meanpool-kv1-ct', 'eval:teacher', 'eval:mean-pool-kv1-0',
+        'eval:mean-pool-kv1-ct'}
 
 
 def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not_merged(tmp_path):

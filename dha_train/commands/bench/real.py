@@ -90,9 +90,10 @@ from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
 from dha_train.export import export_hf
 from dha_train.harness import headline
+from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
-from dha_train.stages import Stage, train_stage, train_tokens
+from dha_train.stages import BatchDigests, Stage, train_stage, train_tokens
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
 METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable', 'mla', 'mla_deepseek', 'moh')
@@ -208,13 +209,17 @@ def _run_stage(work: Path, name: str, build, isolated: bool) -> dict:
 
 # --- source and data ---------------------------------------------------------------------------------------------
 def _source(work: Path, source: str) -> Path:
-    """The source model as an HF folder: an existing folder as is, else the GGUF imported into ``work``."""
+    """The source model as an HF folder: an existing folder as is, else the GGUF imported into ``work`` (again
+    whenever the file differs from the one the folder was imported from)."""
     if (Path(source) / 'config.json').is_file():
         return Path(source).resolve()
-    from dha_train.commands.import_gguf import import_gguf
+    from dha_train.commands.import_gguf import PROVENANCE_FILE, _sha256, import_gguf, resolve_source
 
     folder = work / Path(source).name.removesuffix('.gguf')
-    if not (folder / 'config.json').is_file():
+    path, _ = resolve_source(source)
+    provenance = folder / PROVENANCE_FILE
+    recorded = json.loads(provenance.read_text()).get('sha256') if provenance.is_file() else None
+    if not (folder / 'config.json').is_file() or recorded != _sha256(path):
         _say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
         import_gguf(source, folder, overwrite=True)
     return folder
@@ -254,9 +259,10 @@ def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, s
     return chosen
 
 
-def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings) -> tuple[Path, Path, dict]:
+def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_digest: str) -> tuple[Path, Path, dict]:
     """The training data (the stdlib corpus) and the held-out validation data (/usr/share/doc), both tokenized
-    with the source's tokenizer at the bench's sequence length."""
+    with the source's tokenizer at the bench's sequence length; their folders are named by the source's digest
+    too, so another model in a folder of the same name never reads data made with the old tokenizer."""
     cap = 'all' if settings.corpus_bytes is None else str(settings.corpus_bytes)
 
     def train_data(out: Path) -> dict:
@@ -291,16 +297,17 @@ def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings) -> tuple[
     if settings.train_data is not None:
         train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
     else:
-        train = _run_stage(work, f'data-train-{tokenizer.name}-s{settings.seq_len}-{cap}', train_data,
-                           settings.isolate_stages)
-    heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-s{settings.seq_len}-v{settings.val_tokens}',
-                         heldout_data, settings.isolate_stages)
+        train = _run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}',
+                           train_data, settings.isolate_stages)
+    heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}'
+                               f'-v{settings.val_tokens}', heldout_data, settings.isolate_stages)
     return Path(train['root']), Path(heldout['root']), {'train': train, 'heldout': heldout}
 
 
 # --- one bench run -----------------------------------------------------------------------------------------------
 class _Bench:
-    def __init__(self, settings: RealSettings, work: Path, source: Path, train_data: Path, heldout: Path):
+    def __init__(self, settings: RealSettings, work: Path, source: Path, source_digest: str, train_data: Path,
+                 heldout: Path):
         self.settings, self.work, self.source = settings, work, source
         self.train_data, self.heldout = train_data, heldout
         self.source_map = HeadMap.from_hf_config(_config(source))
@@ -309,23 +316,28 @@ class _Bench:
         self.rows: list[dict] = []
         self.skipped: list[dict] = []
         self.task_data: dict = {}
-        # Stages live under a folder named by the settings they depend on, so a re-run with other settings never
-        # reuses a stale stage; evaluations also by the tasks and the limit.
-        tag = (f's{settings.seq_len}-b{settings.batch}-t{self.tokens}-c{settings.calib_tokens}'
-               f'-r{settings.search_batches}-i{settings.asym_iterations}-seed{settings.seed}')
-        # Everything else a stage's result depends on: the training data (its folder and manifest: another
-        # --train-data or corpus size gives other stages), the recipe overrides and the bench's recipes themselves.
-        manifest = Path(train_data) / 'manifest.json'
-        inputs = {'overrides': settings.overrides, 'train_data': str(train_data),
-                  'manifest': manifest.read_text() if manifest.is_file() else None,
-                  'recipes': {path.name: path.read_text() for path in sorted(recipe_path('real/ct.yaml').parent.glob('*.yaml'))}}
-        tag += '-' + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:8]
-        self.runs = work / 'runs' / f'{source.name}-{tag}'
-        tasks = hashlib.sha256(json.dumps([list(settings.tasks), [str(i) for i in settings.include]]).encode())
-        self.evals = self.runs / 'eval' / f'l{settings.limit}-v{settings.val_tokens}-{tasks.hexdigest()[:8]}'
+        # A stage is reused only when everything it reads is as before: its folder is named by a digest of the
+        # settings and input folders it reads (``stage``) and of what every stage reads: the source's files (another
+        # model in a folder of the same name is another source), the training data (its folder and manifest: another
+        # --train-data or corpus size) and the device. A stage's input model is a path inside the stage that made it,
+        # so a changed stage changes the keys of every stage after it.
+        manifests = {name: (Path(root) / 'manifest.json').read_text() if (Path(root) / 'manifest.json').is_file()
+                     else None for name, root in (('train', train_data), ('heldout', heldout))}
+        self.common = {'source': source_digest, 'train_data': str(train_data), 'manifests': manifests,
+                       'device': settings.device}
+        self.runs = work / 'runs' / source.name
+        self.evals = self.runs / 'eval'
+
+    def stage(self, work: Path, name: str, build, **reads) -> dict:
+        """``build`` as the stage ``name``, in a folder named by ``name`` and a digest of ``reads`` (every setting
+        and input the build reads) and of ``self.common``."""
+        inputs = json.dumps({'common': self.common, **reads}, sort_keys=True, default=str)
+        # paths inside the bench's folder count from it, so the folder may move and keep its stages
+        digest = hashlib.sha256(inputs.replace(str(self.work), '<bench>').encode()).hexdigest()[:10]
+        return _run_stage(work, f'{name}-{digest}', build, self.settings.isolate_stages)
 
     # common recipe overrides: folders, batch, device, steps
-    def overrides(self, name: str, steps: int, **variables) -> list[str]:
+    def overrides(self, name: str, steps: int, seed: int | None = None, **variables) -> list[str]:
         s = self.settings
         # warm-up: 10% of the run, none under 10 batches (Composer's warm-up starts at lr 0, so a 1-batch warm-up
         # of a 1-batch run would train nothing)
@@ -333,25 +345,34 @@ class _Bench:
                   'warmup': f'{steps // 10}ba', **s.overrides, **variables}
         return [f'variables.{key}={value}' for key, value in values.items()] + [
             f'global_train_batch_size={s.batch}', f'device_train_microbatch_size={s.microbatch}',
-            f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed}']
+            f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed if seed is None else seed}']
 
-    def train(self, stage_dir: Path, recipe: str, name: str, steps: int, seed: int | None = None,
-              **variables) -> tuple:
-        """One recipe run of ``steps`` batches, exported to ``stage_dir/hf``; its checkpoints are removed after.
-        ``seed`` (default the bench's) also sets the order of the batches drawn."""
-        overrides = self.overrides(name, steps, **variables) + ([f'seed={seed}'] if seed is not None else [])
-        trainer, config, history = train_stage(recipe, overrides, None)
-        save_folder = Path(config.save_folder.format(run_name=config.run_name))
-        hf = export_hf(save_folder, stage_dir / 'hf', overwrite=True)
-        (stage_dir / 'history.json').write_text(json.dumps(history))
-        return trainer, config, hf, save_folder
+    def train(self, name: str, recipe: str, steps: int, seed: int | None = None, fsdp: bool = False,
+              then=None, **variables) -> dict:
+        """The stage ``name``: one recipe run of ``steps`` batches (``seed``, default the bench's, also orders the
+        batches drawn), exported to ``<stage>/hf``, its checkpoints removed after. The result has the export, the
+        tokens trained and a digest of each batch; ``then(trainer, out)`` adds to it. ``fsdp`` keeps the recipe's
+        FSDP2 (one rank)."""
+        overrides = self.overrides(name, steps, seed, **variables)
+
+        def build(out: Path) -> dict:
+            batches = BatchDigests()
+            trainer, config, history = train_stage(recipe, overrides, None, extra_callbacks=[batches], fsdp=fsdp)
+            save_folder = Path(config.save_folder.format(run_name=config.run_name))
+            hf = export_hf(save_folder, out / 'hf', overwrite=True)
+            (out / 'history.json').write_text(json.dumps(history))
+            result = {'hf_folder': str(hf), 'tokens': train_tokens(config, self.settings.seq_len),
+                      'batch_digests': batches.digests, **(then(trainer, out) if then else {})}
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return result
+
+        return self.stage(self.runs, name, build, recipe=recipe_path(recipe).read_text(), overrides=overrides,
+                          fsdp=fsdp)
 
     def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
-                 key: str | None = None, **extra) -> dict:
-        """``key`` names the evaluation's stage folder (default: from the label); give one when the label does not
-        say everything the model depends on."""
+                 **extra) -> dict:
         s = self.settings
-        key = key or re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
+        key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
 
         def build(out: Path) -> dict:
             result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, limit=s.limit, include=s.include, out=out,
@@ -368,7 +389,8 @@ class _Bench:
                     'task_data': {task: {k: v for k, v in data.items() if k in ('split', 'lm_eval_split', 'data', 'note')}
                                   for task, data in result.get('task_data', {}).items()}}
 
-        scored = self.stage(self.evals, key, build)
+        scored = self.stage(self.evals, key, build, model=hf, tasks=list(s.tasks), include=list(map(str, s.include)),
+                            limit=s.limit, eval_batch_size=s.eval_batch_size, heldout=self.heldout, seed=s.seed)
         values = [v for v in scored['accuracy'].values() if v is not None]
         row = {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': scored['val_loss'],
                'accuracy': scored['accuracy'], 'metric': scored['metric'],
@@ -385,55 +407,48 @@ class _Bench:
     def teacher_kv_bytes(self) -> int:
         return self.rows[0]['kv_bytes']
 
-    def stage(self, work: Path, name: str, build) -> dict:
-        return _run_stage(work, name, build, self.settings.isolate_stages)
+    def calibration(self, settings) -> dict:
+        """A conversion's settings as its stage reads them (every field of its settings dataclass)."""
+        return {'settings': asdict(settings), 'kind': type(settings).__name__}
 
     # --- healing: refit, attention transfer, KL ----------------------------------------------------------------
     def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
              refit=None, **extra) -> None:
-        """The healing rows of one 0-token conversion: refit (0 training tokens; ``refit`` builds it where
-        ``dha-train refit`` does not apply), then attention transfer and KL distillation, which together train on
-        as many tokens as the method's CT row."""
+        """The healing rows of one 0-token conversion: refit (0 training tokens; ``refit``, a (build, reads) pair,
+        builds it where ``dha-train refit`` does not apply), then attention transfer and KL distillation, which
+        together train on as many tokens as the method's CT row. Both train as ``launch/heal.sh``'s recipes do,
+        under FSDP2 (one rank here)."""
         if not self.settings.heal:
             return
         s = self.settings
-        transfer_batches = max(1, round(self.batches * s.transfer_fraction))
+        # at least one batch each, and together the CT row's batches (when it has two or more)
+        transfer_batches = min(max(1, round(self.batches * s.transfer_fraction)), max(1, self.batches - 1))
         kl_batches = max(1, self.batches - transfer_batches)
+        if refit is None:
+            settings = RefitSettings(data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device)
 
-        def refit_by_command(out: Path) -> dict:
-            report = refit_folder(self.source, converted, out / 'hf', RefitSettings(
-                data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device), overwrite=True)
-            return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
-                    **{key: value for key, value in report.items() if key.startswith('mean_')}}
-
-        refitted = self.stage(self.runs, f'{name}-refit', refit or refit_by_command)
+            def refit_by_command(out: Path) -> dict:
+                report = refit_folder(self.source, converted, out / 'hf', settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
+                        **{key: value for key, value in report.items() if key.startswith('mean_')}}
+            refit = refit_by_command, self.calibration(settings)
+        build, reads = refit
+        refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
         seconds += refitted['seconds']
         self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
                       stage_s=refitted['seconds'], **extra)
-
-        def train(recipe: str, stage: str, model: str, batches: int, seed: int, lr: float):
-            def build(out: Path) -> dict:
-                _, config, hf, save_folder = self.train(out, recipe, f'{name}-{stage}', batches, seed=seed,
-                                                        model_path=model, source_path=self.source, lr=lr)
-                shutil.rmtree(save_folder, ignore_errors=True)
-                return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
-            return self.stage(self.runs, f'{name}-{stage}', build)
-
-        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches; its folder
-        # (and its evaluation's) is named by its lr, which the bench sets over the recipe's.
-        transfer_stage = f'transfer-lr{s.transfer_lr:g}'
-        kl_stage = f'{transfer_stage}-kl-lr{s.kl_lr:g}'
-        transferred = train('real/transfer.yaml', transfer_stage, refitted['hf_folder'], transfer_batches,
-                            s.seed + 101, s.transfer_lr)
+        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
+        transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
+                                 model_path=refitted['hf_folder'], source_path=self.source, lr=s.transfer_lr)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
-                      key=f'{name}-{transfer_stage}', stage='transfer', lr=s.transfer_lr,
-                      stage_s=transferred['seconds'], **extra)
-        distilled = train('real/kl.yaml', kl_stage, transferred['hf_folder'], kl_batches, s.seed + 102, s.kl_lr)
+                      stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
+        distilled = self.train(f'{name}-kl', 'real/kl.yaml', kl_batches, s.seed + 102, fsdp=True,
+                               model_path=transferred['hf_folder'], source_path=self.source, lr=s.kl_lr)
         seconds += distilled['seconds']
         self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
-                      transferred['tokens'] + distilled['tokens'], seconds, key=f'{name}-{kl_stage}', stage='kl',
-                      lr=s.kl_lr, stage_s=distilled['seconds'], **extra)
+                      transferred['tokens'] + distilled['tokens'], seconds, stage='kl', lr=s.kl_lr,
+                      stage_s=distilled['seconds'], **extra)
 
     # --- methods ---------------------------------------------------------------------------------------------
     def teacher(self) -> None:
@@ -448,18 +463,16 @@ class _Bench:
             hf = convert_checkpoint(self.source, out / 'hf', head_map, overwrite=True)
             return {'hf_folder': str(hf), 'groups': head_map.source_partitions(self.source_map)[0][0]}
 
-        converted = self.stage(self.runs, f'{name}-convert', convert)
+        converted = self.stage(self.runs, f'{name}-convert', convert, heads=heads)
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
         self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
-        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self._ct(name, converted['hf_folder'])
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
 
-    def _ct(self, out: Path, name: str, model: str) -> dict:
-        _, config, hf, save_folder = self.train(out, 'real/ct.yaml', f'{name}-ct', self.batches, model_path=model)
-        shutil.rmtree(save_folder, ignore_errors=True)
-        return {'hf_folder': str(hf), 'tokens': train_tokens(config, self.settings.seq_len)}
+    def _ct(self, name: str, model: str, batches: int | None = None, seed: int | None = None) -> dict:
+        return self.train(f'{name}-ct', 'real/ct.yaml', batches or self.batches, seed, model_path=model)
 
     def aligned_gqa(self, budget: str) -> None:
         heads = _heads(budget)
@@ -472,31 +485,27 @@ class _Bench:
             return
         s = self.settings
         name = f'agqa-{budget}'
+        settings = AlignSettings(num_groups=heads, criterion='cos', group_by='value', data=str(self.train_data),
+                                 tokens=s.calib_tokens, batch_size=min(8, s.batch), seed=s.seed, device=s.device)
 
         def align(out: Path) -> dict:
-            report = run_align(self.source, out / 'aligned', AlignSettings(
-                num_groups=heads, criterion='cos', group_by='value', data=str(self.train_data),
-                tokens=s.calib_tokens, batch_size=min(8, s.batch), seed=s.seed, device=s.device), overwrite=True)
+            report = run_align(self.source, out / 'aligned', settings, overwrite=True)
             pooled = convert_checkpoint(out / 'aligned', out / 'pooled',
                                         HeadMap.load(out / 'aligned' / TARGET_MAP_FILE), overwrite=True)
             return {'aligned': str(out / 'aligned'), 'hf_folder': str(pooled), 'mean_cosine': report['mean_cosine'],
                     'calibration_tokens': s.calib_tokens}
 
-        aligned = self.stage(self.runs, f'{name}-align', align)
+        aligned = self.stage(self.runs, f'{name}-align', align, **self.calibration(settings))
         self.evaluate(f'aligned GQA {budget} @0', 'aligned_gqa', budget, aligned['hf_folder'], 0, aligned['seconds'],
                       calibration_tokens=aligned['calibration_tokens'])
         self.heal(name, f'aligned GQA {budget}', 'aligned_gqa', budget, aligned['hf_folder'], aligned['seconds'])
 
-        def prune(out: Path) -> dict:
-            trainer, config, hf, save_folder = self.train(
-                out, 'real/prune.yaml', f'{name}-prune', self.batches, model_path=aligned['aligned'],
-                teacher_path=self.source, num_groups=heads)
+        def gates(trainer, out: Path) -> dict:
             transfer = next(a for a in trainer.state.algorithms if isinstance(a, KVHeadTransfer))
-            shutil.rmtree(save_folder, ignore_errors=True)
-            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len),
-                    'gates_frozen_at': transfer.frozen_at, 'gates_forced_closed': transfer.forced_closed}
+            return {'gates_frozen_at': transfer.frozen_at, 'gates_forced_closed': transfer.forced_closed}
 
-        pruned = self.stage(self.runs, f'{name}-prune', prune)
+        pruned = self.train(f'{name}-prune', 'real/prune.yaml', self.batches, then=gates,
+                            model_path=aligned['aligned'], teacher_path=self.source, num_groups=heads)
         self.evaluate(f'aligned GQA {budget} +prune', 'aligned_gqa', budget, pruned['hf_folder'], pruned['tokens'],
                       aligned['seconds'] + pruned['seconds'], calibration_tokens=aligned['calibration_tokens'],
                       gates_forced_closed=pruned['gates_forced_closed'])
@@ -505,6 +514,11 @@ class _Bench:
         heads = _heads(budget)
         s = self.settings
         name = f'asym-{budget}'
+        settings = SearchSettings(
+            method='asym', kv_heads=heads, data=str(self.train_data), fitness='loss', tokens=s.calib_tokens,
+            # CPU: one fitness sequence (each fitness evaluation is a forward of the whole model)
+            batch_size=1 if s.device == 'cpu' else 8, fitness_batches=1 if s.device == 'cpu' else 2,
+            sample_tokens=min(256, s.calib_tokens), iterations=s.asym_iterations, seed=s.seed, device=s.device)
 
         def search(out: Path) -> dict:
             if heads == 1:  # one group of every source head: the only grouping there is
@@ -512,19 +526,13 @@ class _Bench:
                 head_map.save(out / 'head_map.json')
                 return {'head_map': str(out / 'head_map.json'), 'searched': False, 'calibration_tokens': 0,
                         'note': 'one K/V head per layer: the only grouping is all source heads, no search run'}
-            result = run_search(self.source, out / 'search', SearchSettings(
-                method='asym', kv_heads=heads, data=str(self.train_data), fitness='loss', tokens=s.calib_tokens,
-                # CPU: one fitness sequence (each fitness evaluation is a forward of the whole model)
-                batch_size=1 if s.device == 'cpu' else 8, fitness_batches=1 if s.device == 'cpu' else 2,
-                sample_tokens=min(256, s.calib_tokens), iterations=s.asym_iterations,
-                seed=s.seed,
-                device=s.device), overwrite=True)
+            result = run_search(self.source, out / 'search', settings, overwrite=True)
             return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
                     'calibration_tokens': s.calib_tokens, 'search_seconds': result.report['timings']['total_s'],
                     'fitness_evaluations': result.report['asym']['fitness_evaluations'],
                     'fitness_tokens_per_evaluation': result.report['asym']['fitness_tokens']}
 
-        found = self.stage(self.runs, f'{name}-search', search)
+        found = self.stage(self.runs, f'{name}-search', search, **self.calibration(settings))
         head_map = HeadMap.load(found['head_map'])
         groups = head_map.source_partitions(self.source_map)
         pooled = HeadMap.pooled(self.source_map, heads).source_partitions(self.source_map)
@@ -540,15 +548,19 @@ class _Bench:
                                       'group_sizes': sizes})
                 return
             _say(f'AsymGQA {budget}: {note}; mean-pool not run, so it runs here')
-        converted = self.stage(self.runs, f'{name}-convert', lambda out: {'hf_folder': str(convert_checkpoint(
-            self.source, out / 'hf', head_map, overwrite=True))})
+        converted = self._convert_to(f'{name}-convert', found['head_map'])
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
                       group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
         self.heal(name, f'AsymGQA {budget}', 'asym_gqa', budget, converted['hf_folder'], seconds, group_sizes=sizes)
-        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self._ct(name, converted['hf_folder'])
         self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
+
+    def _convert_to(self, name: str, head_map: str) -> dict:
+        """The source mean-pooled to the groups of the map in the file ``head_map`` (a path inside its stage)."""
+        return self.stage(self.runs, name, lambda out: {'hf_folder': str(convert_checkpoint(
+            self.source, out / 'hf', HeadMap.load(head_map), overwrite=True))}, head_map=head_map)
 
     def dha(self, budget: str) -> None:
         self._dha(budget, servable=False)
@@ -577,6 +589,8 @@ class _Bench:
         method, title = ('dha_servable', 'DHA-servable') if servable else ('dha', 'DHA')
         num_source = self.source_map.layers[0].num_key_heads
         fraction = heads / num_source
+        search_overrides = self.overrides(name, s.search_batches, model_path=self.source, kv_budget=fraction,
+                                          servable=str(servable).lower())
 
         def search(out: Path) -> dict:
             if heads == 1:  # the DP's only solution: every (layer, kind) keeps one head, all source heads fused
@@ -586,57 +600,47 @@ class _Bench:
                         'kv_heads': head_map.kv_heads(),
                         'note': 'a budget of 1/3 of 3 heads leaves one grouping (one K and one V head per layer): '
                                 'no Search run'}
-            trainer, config, _ = train_stage('real/dha_search.yaml', self.overrides(
-                name, s.search_batches, model_path=self.source, kv_budget=fraction, out=out / 'search',
-                servable=str(servable).lower()), None)
+            trainer, config, _ = train_stage('real/dha_search.yaml',
+                                             search_overrides + [f'variables.out={out / "search"}'], None)
             shutil.rmtree(Path(config.save_folder), ignore_errors=True)
             head_map = HeadMap.load(out / 'search' / 'head_map.json')
             return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
                     'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
 
-        found = self.stage(self.runs, f'{name}-search', search)
+        found = self.stage(self.runs, f'{name}-search', search, heads=heads, recipe=recipe_path(
+            'real/dha_search.yaml').read_text(), overrides=search_overrides if heads > 1 else None)
         self._dha_start(name, budget, found, method, title)
         margin = max(1, self.batches // 4)
 
-        def fusion(out: Path) -> dict:
-            trainer, config, hf, save_folder = self.train(
-                out, 'real/fusion.yaml', name, self.batches, model_path=self.source, head_map=found['head_map'],
-                margin_steps=margin)
+        def fusion_record(trainer, out: Path) -> dict:
             state = HeadFusion.of(trainer.state, 'bench real')
             history = state.history
             (out / 'fusion_history.json').write_text(json.dumps(history))
-            shutil.rmtree(save_folder, ignore_errors=True)
-            return {'hf_folder': str(hf), 'batches': len(history), 'converged_at': state.converged_at,
-                    'tokens': len(history) * s.batch * s.seq_len,
+            return {'batches': len(history), 'converged_at': state.converged_at,
+                    'fusion_tokens': len(history) * s.batch * s.seq_len,
                     'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
 
-        fused = self.stage(self.runs, f'{name}-fusion', fusion)
+        fused = self.train(f'{name}-fusion', 'real/fusion.yaml', self.batches, then=fusion_record,
+                           model_path=self.source, head_map=found['head_map'], margin_steps=margin)
         kv_heads = found['kv_heads']
         extra = {'kv_heads_per_layer': kv_heads, 'search_tokens': found['search_tokens'],
                  'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
                  'final_fusion_loss': fused['final_fusion_loss']}
         seconds = found['seconds'] + fused['seconds']
-        self.evaluate(f'{title} {budget} post-fusion', method, budget, fused['hf_folder'], fused['tokens'], seconds,
-                      **extra)
+        self.evaluate(f'{title} {budget} post-fusion', method, budget, fused['hf_folder'], fused['fusion_tokens'],
+                      seconds, **extra)
         remaining = self.batches - fused['batches']
         if remaining <= 0:
             self.skipped.append({'method': method, 'budget': budget, 'reason': (
                 'fusion used the whole token budget (it did not reach the threshold earlier), so no CT: the '
                 'post-fusion point is DHA\'s point at the common budget')})
             return
-
-        def ct(out: Path) -> dict:
-            # its own seed: Fusion drew the first batches of the stream with the bench seed, and CT restarting
-            # the stream with that seed would replay them
-            _, config, hf, save_folder = self.train(out, 'real/ct.yaml', f'{name}-ct', remaining,
-                                                    model_path=fused['hf_folder'], seed=s.seed + 100)
-            shutil.rmtree(save_folder, ignore_errors=True)
-            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
-
-        trained = self.stage(self.runs, f'{name}-ct', ct)
+        # its own seed: Fusion drew the first batches of the stream with the bench seed, and CT restarting the stream
+        # with that seed would replay them
+        trained = self._ct(name, fused['hf_folder'], remaining, s.seed + 100)
         self.evaluate(f'{title} {budget} +CT', method, budget, trained['hf_folder'],
-                      fused['tokens'] + trained['tokens'], seconds + trained['seconds'], ct_tokens=trained['tokens'],
-                      **extra)
+                      fused['fusion_tokens'] + trained['tokens'], seconds + trained['seconds'],
+                      ct_tokens=trained['tokens'], **extra)
 
     def _dha_start(self, name: str, budget: str, found: dict, method: str = 'dha', title: str = 'DHA') -> None:
         """DHA at 0 tokens: Fusion's start bakes to the mean of each Search group, so it is the Search's map
@@ -654,8 +658,7 @@ class _Bench:
                 self.rows.append({**row, 'label': row['label'].replace('mean-pool', title), 'method': method,
                                   'same_as': row['label'], 'note': 'healing the same 0-token model as mean-pool'})
             return
-        converted = self.stage(self.runs, f'{name}-at-0', lambda out: {'hf_folder': str(convert_checkpoint(
-            self.source, out / 'hf', head_map, overwrite=True))})
+        converted = self._convert_to(f'{name}-at-0', found['head_map'])
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(label, method, budget, converted['hf_folder'], 0, seconds, kv_heads_per_layer=found['kv_heads'])
         self.heal(name, f'{title} {budget}', method, budget, converted['hf_folder'], seconds,
@@ -668,20 +671,21 @@ class _Bench:
         name = f'mla-{budget}'
         fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
         pairs = default_rope_pairs(self.source_map.head_dim)
+        settings = MlaSettings(cache_fraction=fraction, rope_pairs=pairs, data=str(self.train_data),
+                               tokens=s.calib_tokens, batch_size=min(8, s.batch), rank_step=1, seed=s.seed,
+                               device=s.device)
 
         def convert(out: Path) -> dict:
-            report = convert_to_mla(self.source, out / 'hf', MlaSettings(
-                cache_fraction=fraction, rope_pairs=pairs, data=str(self.train_data), tokens=s.calib_tokens,
-                batch_size=min(8, s.batch), rank_step=1, seed=s.seed, device=s.device), overwrite=True)
+            report = convert_to_mla(self.source, out / 'hf', settings, overwrite=True)
             return {'hf_folder': str(out / 'hf'), 'ranks': report['ranks'], 'rope_pairs': pairs,
                     'calibration_tokens': report['calibration_tokens']}
 
-        converted = self.stage(self.runs, f'{name}-convert', convert)
+        converted = self.stage(self.runs, f'{name}-convert', convert, **self.calibration(settings))
         extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])], 'rope_pairs': pairs,
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
         self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
-        trained = self.stage(self.runs, f'{name}-ct', lambda out: self._ct(out, name, converted['hf_folder']))
+        trained = self._ct(name, converted['hf_folder'])
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
 
@@ -693,16 +697,18 @@ class _Bench:
         fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
 
         def converter(fit: str, tokens: int):
+            settings = DeepseekSettings(cache_fraction=fraction, latent_norm_fit=fit, data=str(self.train_data),
+                                        tokens=tokens, batch_size=min(8, s.batch), seed=s.seed, device=s.device)
+
             def convert(out: Path) -> dict:
-                report = convert_to_deepseek(self.source, out / 'hf', DeepseekSettings(
-                    cache_fraction=fraction, latent_norm_fit=fit, data=str(self.train_data), tokens=tokens,
-                    batch_size=min(8, s.batch), seed=s.seed, device=s.device), overwrite=True)
+                report = convert_to_deepseek(self.source, out / 'hf', settings, overwrite=True)
                 return {'hf_folder': str(out / 'hf'), 'calibration_tokens': report['calibration_tokens'],
                         **{key: report[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'rope_stride',
                                                         'rope_energy_kept')}}
-            return convert
+            return convert, self.calibration(settings)
 
-        converted = self.stage(self.runs, f'{name}-convert', converter('scalar', s.calib_tokens))
+        build, reads = converter('scalar', s.calib_tokens)
+        converted = self.stage(self.runs, f'{name}-convert', build, **reads)
         extra = {key: converted[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'rope_stride',
                                                   'rope_energy_kept')}
         self.evaluate(f'MLA-DeepSeek {budget} @0', 'mla_deepseek', budget, converted['hf_folder'], 0,
@@ -711,7 +717,6 @@ class _Bench:
                   converted['seconds'], refit=converter('regression', s.refit_tokens), **extra)
 
     def moh(self) -> None:
-        s = self.settings
         name = 'moh'
         heads = self.source_map.num_query_heads
         shared, top_k = moh_setting(heads)
@@ -725,16 +730,10 @@ class _Bench:
         def surgery(out: Path) -> dict:
             return {'hf_folder': str(moh_at_surgery(self.source, out / 'hf', shared, top_k))}
 
-        converted = self.stage(self.runs, f'{name}-surgery', surgery)
+        converted = self.stage(self.runs, f'{name}-surgery', surgery, shared_heads=shared, top_k=top_k)
         self.evaluate(f'MoH {active}/{heads} @0', 'moh', None, converted['hf_folder'], 0, converted['seconds'], **setting)
-
-        def tune(out: Path) -> dict:
-            _, config, hf, save_folder = self.train(out, 'real/moh.yaml', f'{name}-continue', self.batches,
-                                                    model_path=self.source, shared_heads=shared, top_k=top_k)
-            shutil.rmtree(save_folder, ignore_errors=True)
-            return {'hf_folder': str(hf), 'tokens': train_tokens(config, s.seq_len)}
-
-        trained = self.stage(self.runs, f'{name}-continue', tune)
+        trained = self.train(f'{name}-continue', 'real/moh.yaml', self.batches, model_path=self.source,
+                             shared_heads=shared, top_k=top_k)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **setting)
 
@@ -900,11 +899,13 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     source = _source(work, settings.source)
-    train_data, heldout, data = _prepare_data(work, source, settings)
-    bench = _Bench(settings, work, source, train_data, heldout)
+    source_digest = folder_digest(source)
+    train_data, heldout, data = _prepare_data(work, source, settings, source_digest)
+    bench = _Bench(settings, work, source, source_digest, train_data, heldout)
     config = _config(source)
     results = {
-        'source': {'name': Path(source).name, 'folder': str(source), 'layers': config.num_hidden_layers,
+        'source': {'name': Path(source).name, 'folder': str(source), 'sha256': source_digest,
+                   'layers': config.num_hidden_layers,
                    'query_heads': config.num_attention_heads, 'kv_heads': config.num_key_value_heads,
                    'head_dim': bench.source_map.head_dim, 'vocab_size': config.vocab_size},
         'settings': {**asdict(settings), 'methods': list(settings.methods), 'budgets': list(settings.budgets),
