@@ -50,8 +50,11 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 # --durations: the CI log lists the slowest tests, to keep the suite's time in view (docs/developing.md).
+# -n: parallel workers (pytest-xdist), one test file each at a time (--dist loadfile keeps a file's module fixtures
+# built once); each worker's streaming datasets use their own shared-memory prefixes (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: lint docs
-	$(BIN)/python -m pytest tests --durations=15
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The torch 2.11 lane: the quick tests under the GPU image's torch (2.11) with the pinned Composer, streaming and
 # transformers 4.53 installed without their dependency checks (tests/requirements-torch211.txt). A separate target,

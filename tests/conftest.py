@@ -15,6 +15,10 @@ from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('WANDB_MODE', 'offline')
 os.environ.setdefault('WANDB_SILENT', 'true')
+# Parallel workers (pytest-xdist) each register streaming datasets, theirs and those of the runs they launch, in
+# their own range of shared-memory prefixes, so two workers can never claim the same one (dha_train.data.loaders).
+if os.environ.get('PYTEST_XDIST_WORKER', '').startswith('gw'):
+    os.environ['DHA_TRAIN_SHM_PREFIX_BASE'] = str(10_000 * (1 + int(os.environ['PYTEST_XDIST_WORKER'][2:])))
 
 
 @pytest.fixture(scope='session')

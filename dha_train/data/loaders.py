@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from composer.core import Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.shared import prefix as _streaming_prefix
 from streaming.base.shared.memory import SharedMemory
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
@@ -26,6 +28,27 @@ from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
 from dha_train.data.integrity import check_splits, streaming_hash
 from dha_train.data.prep import MANIFEST_NAME, TOKENS_COLUMN, read_manifest
 from dha_train.data.tokenizer import tokenizer_fingerprint
+
+# streaming registers each dataset under the first free shared-memory prefix (000000_locals, 000001_locals, ...),
+# found by trying names from 0 and created after the search: two jobs that start on one machine at the same moment
+# can both find the same prefix free, and then share one dataset's memory. SHM_PREFIX_BASE_ENV gives a job (and the
+# processes it launches) its own range of prefixes, so jobs started with different bases can never collide: the
+# test suite's parallel workers each get one.
+SHM_PREFIX_BASE_ENV = 'DHA_TRAIN_SHM_PREFIX_BASE'
+
+
+def _prefixes_from_base():
+    """streaming's prefix search order, from this job's base (``SHM_PREFIX_BASE_ENV``, default 0)."""
+    value = os.environ.get(SHM_PREFIX_BASE_ENV, '0')
+    if not value.isdigit() or int(value) > 900_000:
+        raise ConfigError(f'{SHM_PREFIX_BASE_ENV} must be a whole number from 0 to 900000, got {value!r}')
+    prefix = int(value)
+    while True:
+        yield prefix
+        prefix += 1
+
+
+_streaming_prefix._each_prefix_int = _prefixes_from_base
 
 
 def collate_tokens(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -71,3 +71,21 @@ def test_closing_batches_gives_back_the_files_the_loader_opened(data_root):
     assert open_files() > files  # the dataset's shared-memory segments
     batches.close()
     assert open_files() <= files
+
+
+def test_a_job_with_its_own_shared_memory_prefix_base_registers_its_datasets_from_there(data_root, monkeypatch):
+    """Two jobs on one machine with different bases never search the same shared-memory names, so they cannot both
+    claim one prefix; an unusable base is refused by name."""
+    import pytest
+
+    from dha_train.config import ConfigError
+    from dha_train.data.loaders import SHM_PREFIX_BASE_ENV, build_train_dataloader, closing_batches, live_shared_memory
+
+    before = live_shared_memory()
+    monkeypatch.setenv(SHM_PREFIX_BASE_ENV, '123400')
+    loader = build_train_dataloader(TrainLoaderConfig(root=str(data_root)), device_batch_size=4, seed=0)
+    assert loader.dataset._shm_prefix_int >= 123400
+    assert next(iter(closing_batches(loader, before)))['input_ids'].shape[0] == 4
+    monkeypatch.setenv(SHM_PREFIX_BASE_ENV, 'gw1')
+    with pytest.raises(ConfigError, match=SHM_PREFIX_BASE_ENV):
+        build_train_dataloader(TrainLoaderConfig(root=str(data_root)), device_batch_size=4, seed=0)
