@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl
+# Parallel workers (pytest-xdist) share the machine's cores: one torch thread each (set before torch is imported),
+# as the launched runs already have, instead of every worker starting a thread per core.
+if os.environ.get('PYTEST_XDIST_WORKER', '').startswith('gw'):
+    os.environ['OMP_NUM_THREADS'] = '1'
+
+from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl  # noqa: E402
 
 # Tests never reach a hub or W&B servers.
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
