@@ -38,15 +38,25 @@ class ModelFolderError(DhaTrainError, ValueError):
     """A model folder that cannot be loaded: the message names the folder and what is wrong."""
 
 
+def _hash_file(digest, path: Path):
+    """``digest`` updated with the bytes of ``path``, read in 1 MiB blocks (model files are gigabytes)."""
+    with path.open('rb') as handle:
+        for block in iter(lambda: handle.read(1 << 20), b''):
+            digest.update(block)
+    return digest
+
+
+def file_sha256(path: str | Path) -> str:
+    return _hash_file(hashlib.sha256(), Path(path)).hexdigest()
+
+
 def folder_digest(folder: str | Path, skip: tuple[str, ...] = ('README.md',)) -> str:
     """sha256 over a model folder's files (names and bytes, in name order; the model card left out): a model and
     tokenizer identity that changes when any weight, config or tokenizer file does, whatever the folder is called."""
     digest = hashlib.sha256()
     for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name not in skip):
         digest.update(path.name.encode() + b'\0')
-        with path.open('rb') as handle:
-            for block in iter(lambda: handle.read(1 << 20), b''):
-                digest.update(block)
+        _hash_file(digest, path)
     return digest.hexdigest()
 
 

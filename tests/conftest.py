@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 
 # Parallel workers (pytest-xdist) share the machine's cores: one torch thread each (set before torch is imported),
-# as the launched runs already have, instead of every worker starting a thread per core.
-if os.environ.get('PYTEST_XDIST_WORKER', '').startswith('gw'):
+# as the launched runs already have, instead of every worker starting a thread per core. Each worker also registers
+# streaming datasets, its own and those of the runs it launches, in its own range of shared-memory prefixes, so two
+# workers can never claim the same one (dha_train.data.loaders).
+_WORKER = os.environ.get('PYTEST_XDIST_WORKER', '')
+if _WORKER.startswith('gw'):
     os.environ['OMP_NUM_THREADS'] = '1'
+    os.environ['DHA_TRAIN_SHM_PREFIX_BASE'] = str(10_000 * (1 + int(_WORKER[2:])))
 
 from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl  # noqa: E402
 
@@ -20,10 +24,6 @@ from helpers import SEQ_LEN, synthetic_document, write_redpajama_jsonl  # noqa: 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('WANDB_MODE', 'offline')
 os.environ.setdefault('WANDB_SILENT', 'true')
-# Parallel workers (pytest-xdist) each register streaming datasets, theirs and those of the runs they launch, in
-# their own range of shared-memory prefixes, so two workers can never claim the same one (dha_train.data.loaders).
-if os.environ.get('PYTEST_XDIST_WORKER', '').startswith('gw'):
-    os.environ['DHA_TRAIN_SHM_PREFIX_BASE'] = str(10_000 * (1 + int(os.environ['PYTEST_XDIST_WORKER'][2:])))
 
 
 @pytest.fixture(scope='session')

@@ -22,7 +22,6 @@ an instruct model keeps its chat format through every folder made from it and in
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -35,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
 from dha_train.model_card import card_stage, write_model_card
+from dha_train.model_folders import file_sha256
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
 PROVENANCE_FILE = 'import_gguf.json'
@@ -159,7 +159,7 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
         'source_path': str(path.resolve()),
         'package': package,
         'size_bytes': path.stat().st_size,
-        'sha256': _sha256(path),
+        'sha256': file_sha256(path),
         'architecture': header['architecture'],
         'name': header['name'],
         'quantization': header['quantization'],
@@ -195,14 +195,6 @@ def _declared_special_tokens(tokenizer, declared: dict[str, int]) -> dict[str, d
     if changed and hasattr(tokenizer, 'update_post_processor'):
         tokenizer.update_post_processor()  # the BOS/EOS a Llama tokenizer adds are built from these attributes
     return changed
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open('rb') as handle:
-        for block in iter(lambda: handle.read(1 << 20), b''):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _version(distribution: str) -> str | None:

@@ -90,7 +90,7 @@ from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
 from dha_train.export import export_hf
 from dha_train.harness import headline
-from dha_train.model_folders import folder_digest
+from dha_train.model_folders import file_sha256, folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
 from dha_train.stages import BatchDigests, Stage, train_stage, train_tokens
@@ -213,13 +213,13 @@ def _source(work: Path, source: str) -> Path:
     whenever the file differs from the one the folder was imported from)."""
     if (Path(source) / 'config.json').is_file():
         return Path(source).resolve()
-    from dha_train.commands.import_gguf import PROVENANCE_FILE, _sha256, import_gguf, resolve_source
+    from dha_train.commands.import_gguf import PROVENANCE_FILE, import_gguf, resolve_source
 
     folder = work / Path(source).name.removesuffix('.gguf')
     path, _ = resolve_source(source)
     provenance = folder / PROVENANCE_FILE
     recorded = json.loads(provenance.read_text()).get('sha256') if provenance.is_file() else None
-    if not (folder / 'config.json').is_file() or recorded != _sha256(path):
+    if not (folder / 'config.json').is_file() or recorded != file_sha256(path):
         _say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
         import_gguf(source, folder, overwrite=True)
     return folder
