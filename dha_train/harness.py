@@ -431,6 +431,21 @@ class _DropCustomDatasetNotice(logging.Filter):
 
 
 @contextlib.contextmanager
+def _no_environment_report():
+    """Skip the environment report ``simple_evaluate`` adds to its output (``add_env_info``: torch's
+    ``get_pretty_env_info``, which runs `pip list` and other programs, ~2 s a call), which nothing here reads; a
+    bench scores a hundred models. The rest of lm-eval's output is unchanged."""
+    from lm_eval import evaluator
+
+    report = evaluator.add_env_info
+    evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = report
+
+
+@contextlib.contextmanager
 def _quiet_local_data():
     """No per-task lm-eval notice and no datasets progress bar for the in-memory maps over the local splits."""
     import datasets
@@ -482,7 +497,7 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     by_shots: dict[int, list[str]] = {}
     for task, shots in chosen.items():
         by_shots.setdefault(shots, []).append(task)
-    with hub_offline(), _quiet_local_data():
+    with hub_offline(), _quiet_local_data(), _no_environment_report():
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                   max_length=model.config.max_position_embeddings)
         for shots, group in sorted(by_shots.items()):

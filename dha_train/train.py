@@ -7,6 +7,7 @@ Launch:  composer -n 8 -m dha_train.train yamls/pretrain/llama2_7b_cpt.yaml save
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import os
@@ -125,6 +126,31 @@ def check_save_folder(config: TrainConfig) -> None:
     _refuse_on_every_rank(check)
 
 
+def read_cpu_model_without_a_subprocess() -> None:
+    """Have Composer read the CPU's model name (recorded in every checkpoint's metadata) from /proc/cpuinfo.
+
+    Composer asks py-cpuinfo, which starts a Python process of its own to probe the CPU: ~1 s of CPU at each rank's
+    start, for one line of text. The line in /proc/cpuinfo is the name py-cpuinfo reports (``brand_raw``); where
+    there is no such file, Composer's own probe runs as before."""
+    from composer.utils import collect_env
+
+    probe = collect_env.get_cpu_model
+    if getattr(probe, 'reads_proc_cpuinfo', False):
+        return
+
+    @functools.lru_cache(maxsize=1)
+    def cpu_model() -> str:
+        try:
+            lines = Path('/proc/cpuinfo').read_text().splitlines()
+        except OSError:
+            lines = []
+        names = [line.split(':', 1)[1].strip() for line in lines if line.startswith('model name') and ':' in line]
+        return names[0] if names and names[0] else probe()
+
+    cpu_model.reads_proc_cpuinfo = True
+    collect_env.get_cpu_model = cpu_model
+
+
 def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = ()):
     """Assemble data, model, optimizer, schedule, algorithms, callbacks and loggers into a Composer Trainer."""
     device, precision = resolve_device_and_precision(config)
@@ -141,6 +167,7 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     check_checkpoint_to_load(config)
     check_save_folder(config)
     save_checkpoints_atomically()
+    read_cpu_model_without_a_subprocess()
 
     # Cheap checks first: data layout, vocabulary and sequence length against the model config.
     llama_config = build_llama_config(config.model)

@@ -133,6 +133,25 @@ def launch_and_kill_after_checkpoint(recipe: Path, save_folder: Path, *overrides
     return latest_checkpoint_batch(save_folder)
 
 
+def stopped_after(save_folder: Path, batch: int, into: Path) -> Path:
+    """A copy of a finished run's ``save_folder`` as the run left it right after saving its checkpoint at ``batch``:
+    the later checkpoints removed and Composer's ``latest-rank*.pt`` links pointing at that one. A resume from it
+    replays the rest of the run (a SIGKILLed run's folder, without launching a run to kill)."""
+    shutil.copytree(save_folder, into, symlinks=True)
+    for entry in into.iterdir():
+        found = re.search(r'-ba(\d+)', entry.name)
+        if found and not entry.name.startswith('latest-') and int(found.group(1)) > batch:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    links = sorted(into.glob('latest-rank*.pt'))
+    assert links, f'{save_folder} has no latest-rank*.pt link'
+    for link in links:
+        target = re.sub(r'-ba\d+', f'-ba{batch}', os.readlink(link))
+        assert (into / target).exists(), f'{save_folder} has no checkpoint at batch {batch} ({target})'
+        link.unlink()
+        link.symlink_to(target)
+    return into
+
+
 def logged(log: str, metric: str) -> list[float]:
     """Every value of ``metric`` in a run's console log (Composer's ``<metric>: <value>`` lines), in order; e.g.
     ``Train transfer/mse`` or ``metrics/eval_github/LanguageCrossEntropy``."""

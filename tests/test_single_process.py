@@ -44,6 +44,20 @@ def test_offline_wandb_run_has_the_logged_loss(trained):
         assert math.isfinite(history[f'metrics/eval_{domain}/LanguageCrossEntropy'][-1])
 
 
+def test_checkpoints_record_py_cpuinfos_cpu_model_read_without_its_process(trained):
+    """Composer records the CPU's name in each checkpoint; the run read it from /proc/cpuinfo (no py-cpuinfo process
+    at each rank's start), and it is the name py-cpuinfo gives."""
+    import cpuinfo
+    from composer.utils import collect_env
+
+    from dha_train.export import load_composer_state
+
+    tmp, _ = trained
+    assert getattr(collect_env.get_cpu_model, 'reads_proc_cpuinfo', False)
+    recorded = load_composer_state(tmp / 'ckpt')['state']['metadata']['composer_env_info']['cpu_model']
+    assert recorded == cpuinfo.get_cpu_info()['brand_raw']
+
+
 def test_export_gives_the_same_logits_as_the_composer_model(trained, tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

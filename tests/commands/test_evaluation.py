@@ -109,6 +109,25 @@ def test_eval_accuracy_equals_a_hand_computation(models, local_task, evaluated, 
     assert saved['kv_cache_bytes_per_4096_tokens'] == kv_cache_bytes(config) == heads * 16 * 4096 * 2
 
 
+def test_scoring_skips_lm_evals_environment_report_and_scores_alike(models, local_task, evaluated, monkeypatch):
+    """lm-eval's environment report (torch's get_pretty_env_info: `pip list` and other programs, ~2 s a call) is not
+    made while scoring, the scores are those of `run_eval`, and lm-eval's own function is back afterwards."""
+    import lm_eval.evaluator
+    import torch.utils.collect_env
+
+    from dha_train.harness import score_tasks
+
+    reports = []
+    monkeypatch.setattr(torch.utils.collect_env, 'get_pretty_env_info', lambda: reports.append(1) or '')
+    report = lm_eval.evaluator.add_env_info
+    model = AutoModelForCausalLM.from_pretrained(models['gqa']).eval()
+    scored = score_tasks(model, AutoTokenizer.from_pretrained(models['gqa']), {LOCAL_TASK: 0}, include=[local_task])
+    assert reports == [] and lm_eval.evaluator.add_env_info is report
+    assert scored['scores'][LOCAL_TASK]['acc'] == evaluated[1]['gqa']['scores'][LOCAL_TASK]['acc']
+    lm_eval.evaluator.add_env_info({})  # the control: outside scoring the report is made
+    assert reports == [1]
+
+
 def test_validation_loss_is_the_token_mean_cross_entropy_of_the_val_split(models, evaluated, data_root):
     import numpy as np
     from streaming import StreamingDataset

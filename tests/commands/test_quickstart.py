@@ -63,11 +63,12 @@ def test_quickstart_short_run_then_reuse(tmp_path):
     assert json.loads((out / 'summary.json').read_text())['per_domain_val_loss'] == rows
 
     # Healing on the quickstart teacher: launch/heal.sh refits its mean-pool GQA model, then attention transfer and
-    # KL distillation, each a real 2-process FSDP2 run; run again, every stage is found done.
+    # KL distillation, each a real `composer -n 1` FSDP2 run (heal.sh with 2 processes: test_deepseek_healing.py);
+    # run again, every stage is found done.
     from helpers import launcher_env
 
     heal = ['bash', str(REPO / 'launch' / 'heal.sh'), str(out / 'export' / 'hf'), str(out / 'gqa_convert' / 'hf'),
-            str(out / 'data'), str(tmp_path / 'heal'), '2', str(REPO / 'yamls' / 'healing' / 'tiny_transfer.yaml'),
+            str(out / 'data'), str(tmp_path / 'heal'), '1', str(REPO / 'yamls' / 'healing' / 'tiny_transfer.yaml'),
             str(REPO / 'yamls' / 'healing' / 'tiny_kl.yaml'), 'variables.steps=4ba', 'save_interval=2ba',
             'global_train_batch_size=8', 'device_train_microbatch_size=4', 'console_log_interval=1ba']
     healed = subprocess.run(heal, capture_output=True, text=True, env=launcher_env(HEAL_NAME='qs'), cwd=REPO,
