@@ -1,5 +1,5 @@
-"""`attention_transfer` in real 2-process FSDP2 runs (gloo): the layer-wise MSE goes down, a run killed after a
-checkpoint resumes to the same weights as an uninterrupted one, and the export is the converted model alone. The
+"""`attention_transfer` in real 2-process FSDP2 runs (gloo): the layer-wise MSE goes down, a run resumed from a
+mid-run checkpoint ends with the same weights as an uninterrupted one, and the export is the converted model alone. The
 healing chain (launch/heal.sh) runs on the quickstart teacher in tests/commands/test_quickstart.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.export import export_hf
 from dha_train.models.head_map import HeadMap
-from helpers import REPO, launch_and_kill_after_checkpoint, logged, run_composer, save_tiny_llama
+from helpers import REPO, logged, run_composer, save_tiny_llama, stopped_after
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 RECIPE = REPO / 'yamls' / 'healing' / 'tiny_transfer.yaml'
@@ -66,14 +66,15 @@ def test_two_process_transfer_lowers_the_layerwise_mse_and_exports_the_converted
         assert changed == ('self_attn' in name), name
 
 
-def test_sigkill_then_autoresume_ends_with_the_uninterrupted_weights(uninterrupted, models, data_root, tmp_path):
+def test_resumed_mid_run_it_ends_with_the_uninterrupted_weights(uninterrupted, models, data_root, tmp_path):
+    """Resumed from the uninterrupted run's batch-4 checkpoint (its folder as a run killed after that save leaves it;
+    SIGKILL itself is rehearsed in test_distributed.py), the transfer ends with the same weights bit for bit."""
     reference_root, _ = uninterrupted
     overrides = _overrides(models, data_root, tmp_path)
-    resumed_from = launch_and_kill_after_checkpoint(RECIPE, tmp_path / 'transfer', *overrides, log=tmp_path / 'a.txt',
-                                                    at_least=4)
-    assert 4 <= resumed_from < BATCHES
+    stopped_after(reference_root / 'transfer', 4, into=tmp_path / 'transfer')
     done = run_composer(2, RECIPE, *overrides, log=tmp_path / 'b.txt')
     assert done.returncode == 0, (tmp_path / 'b.txt').read_text()[-4000:]
+    assert f'starts at batch 4 of {BATCHES}ba' in (tmp_path / 'b.txt').read_text()
     ours = load_file(export_hf(tmp_path / 'transfer', tmp_path / 'resumed') / 'model.safetensors')
     reference = load_file(export_hf(reference_root / 'transfer', tmp_path / 'reference') / 'model.safetensors')
     assert ours.keys() == reference.keys()
