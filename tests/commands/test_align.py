@@ -88,12 +88,11 @@ def test_align_rejects_bad_settings_before_calibrating(tmp_path, data_root):
         run_align(tmp_path / 'mha', tmp_path / 'out', AlignSettings(num_groups=2, data=str(tmp_path / 'nowhere')))
 
 
-@pytest.mark.distributed
 @pytest.mark.slow
-def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root, tokenizer_dir):
-    """launch/aligned_gqa.sh with the tiny recipe: align -> 2-process FSDP2 pruning with distillation -> export as
-    standard HF GQA, which plain transformers loads and generates with, its KV cache holding 2 heads; a re-run
-    skips both stages."""
+def test_aligned_gqa_launcher_end_to_end(tmp_path, data_root, tokenizer_dir):
+    """launch/aligned_gqa.sh with the tiny recipe: align -> FSDP2 pruning with distillation (`composer -n 1`; with
+    2 processes in test_kv_head_transfer.py) -> export as standard HF GQA, which plain transformers loads and
+    generates with, its KV cache holding 2 heads; a re-run skips both stages."""
     import subprocess
 
     from transformers import AutoTokenizer
@@ -104,7 +103,7 @@ def test_aligned_gqa_launcher_end_to_end_with_two_processes(tmp_path, data_root,
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'mha')
     env = launcher_env(ALIGN_ARGS='--tokens 512 --batch-size 4')
     command = ['bash', 'launch/aligned_gqa.sh', str(tmp_path / 'mha'), 'yamls/aligned_gqa/tiny', str(data_root),
-               str(tmp_path / 'runs'), '2', '2', 'variables.steps=20', 'eval_interval=20ba', 'save_interval=10ba']
+               str(tmp_path / 'runs'), '2', '1', 'variables.steps=20', 'eval_interval=20ba', 'save_interval=10ba']
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

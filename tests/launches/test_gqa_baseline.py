@@ -1,4 +1,6 @@
-"""The GQA baseline end to end: convert a tiny MHA model, continue pre-training with 2 processes, export."""
+"""The GQA and AsymGQA launchers end to end: convert a tiny MHA model, continue pre-training (`composer -n 1`: the
+launchers pass their process count through; plain LLaMA and the DHA class under 2-process FSDP2 are in
+test_distributed.py and test_dha_pipeline.py), export."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from dha_train.models.head_map import HeadMap
 from helpers import REPO, launcher_env, logged, save_tiny_llama
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
-def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tokenizer_dir):
+def test_convert_then_ct_then_export(tmp_path, data_root, tokenizer_dir):
     from dha_train.export import export_hf
 
     mha_dir = tmp_path / 'tiny-mha'
@@ -24,7 +26,7 @@ def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tok
     env = launcher_env()
     save_root = tmp_path / 'runs'
     done = subprocess.run(
-        ['bash', 'launch/gqa_baseline.sh', str(mha_dir), '2', str(data_root), str(save_root), '2',
+        ['bash', 'launch/gqa_baseline.sh', str(mha_dir), '2', str(data_root), str(save_root), '1',
          'yamls/gqa/tiny_ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     log = done.stdout + done.stderr
@@ -53,7 +55,7 @@ def test_convert_then_ct_with_two_processes_then_export(tmp_path, data_root, tok
 
 def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_root, tokenizer_dir):
     """launch/asym_gqa.sh: the AsymGQA search (K and V share a map whose groups may differ in size), mean-pooling
-    to it, 2-process CT, export; the export loads (plain LLaMA for contiguous equal groups, else the DHA class) and
+    to it, CT (`composer -n 1`), export; the export loads (plain LLaMA for contiguous equal groups, else the DHA class) and
     generates."""
     from dha_train.export import export_hf
     from helpers import planted_mha
@@ -63,7 +65,7 @@ def test_asym_gqa_launcher_searches_converts_trains_and_exports(tmp_path, data_r
     env = launcher_env(SEARCH_ARGS='--tokens 512 --sample-tokens 64 --iterations 25 --fitness kl --batch-size 4')
     save_root = tmp_path / 'runs'
     done = subprocess.run(
-        ['bash', 'launch/asym_gqa.sh', str(tmp_path / 'mha'), '2', str(data_root), str(save_root), '2',
+        ['bash', 'launch/asym_gqa.sh', str(tmp_path / 'mha'), '2', str(data_root), str(save_root), '1',
          'yamls/asym_gqa/tiny/ct.yaml', 'max_duration=8ba', 'eval_interval=8ba', 'save_interval=4ba'],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
