@@ -1,6 +1,7 @@
 """lm-evaluation-harness as a library: task suites, task checks, scoring a loaded model offline, the local task.
 
-Used by `dha-train eval` (``commands.evaluate``) and by the ``lm_eval_at_end`` callback, so it imports neither.
+Used by evaluation (``dha_train.evaluation``: `dha-train eval`, the benches) and by the ``lm_eval_at_end``
+callback, so it imports neither.
 
 - ``SUITES``: each seed's task list with its shot counts; ``local``: the project's own multiple-choice task
   (``stdlib_mc``, built by ``build_local_task`` from the quickstart corpus, an lm-eval task over local JSON).

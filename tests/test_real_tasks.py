@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dha_train.commands.evaluate import print_scores, run_eval
+from dha_train.evaluation import print_scores, run_eval
 from dha_train.harness import EvalError, offline_data_root
 
 pytestmark = pytest.mark.skipif(offline_data_root() is None,

@@ -325,8 +325,9 @@ def test_surgery_and_resume_refuse_settings_that_do_not_fit():
 
 
 def test_bench_moh_times_every_budget_and_refuses_unknown_sections(tmp_path):
+    from dha_train.bench_support import moh_budget
     from dha_train.commands.bench.conversion import run_conversion_bench
-    from dha_train.commands.bench.moh import moh_budget, run_moh_bench
+    from dha_train.commands.bench.moh import run_moh_bench
 
     assert [moh_budget(32, f) for f in (0.9, 0.75, 0.5)] == [(16, 13), (16, 8), (8, 8)]
     results = run_moh_bench(sections=['attention', 'decode'], seq_lens=[16], heads=8, head_dim=8, layers=1, calls=2,

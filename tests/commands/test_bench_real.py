@@ -213,7 +213,7 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
 
 
 def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not_merged(tmp_path):
-    from dha_train.commands.bench.real import _earlier_results
+    from dha_train.commands.bench.real.report import _earlier_results
 
     path = tmp_path / 'results.json'
     earlier = {'source': {'name': 'other'}, 'settings': {'limit': 50}, 'rows': [{'label': 'x', 'method': 'mla',

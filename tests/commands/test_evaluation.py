@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dha_train.commands.compare import compare
-from dha_train.commands.evaluate import run_eval
 from dha_train.config import ConfigError
 from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.evaluation import compare, run_eval
 from dha_train.harness import LOCAL_TASK, EvalError, build_local_task, resolve_tasks
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap

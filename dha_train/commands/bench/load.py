@@ -13,24 +13,19 @@ same run.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dha_train.commands.bench.throughput import SEQ_LEN, VOCAB, write_synthetic_shards
+from dha_train.bench_support import SYNTHETIC_SEQ_LEN, SYNTHETIC_VOCAB, launch_bench_recipe, write_synthetic_shards
 from dha_train.data.tokenizer import train_byte_level_bpe
-from dha_train.paths import recipe_path
 
 # 111M parameters: 445 MB of fp32 weights in memory, enough to stand out of the ~0.8 GB every process holds after
 # importing torch, transformers and Composer.
-MODEL = {'vocab_size': VOCAB, 'hidden_size': 1024, 'intermediate_size': 2816, 'num_hidden_layers': 8,
-         'num_attention_heads': 16, 'num_key_value_heads': 16, 'max_position_embeddings': SEQ_LEN}
+MODEL = {'vocab_size': SYNTHETIC_VOCAB, 'hidden_size': 1024, 'intermediate_size': 2816, 'num_hidden_layers': 8,
+         'num_attention_heads': 16, 'num_key_value_heads': 16, 'max_position_embeddings': SYNTHETIC_SEQ_LEN}
 PROCESSES = 2
 PHASES = ('start', 'model_built', 'sharded', 'first_batch')
 PATHS = {'every_rank': 'false', 'rank0': 'true'}  # bench label -> model.load_on_rank0
@@ -52,26 +47,15 @@ def write_pretrained(folder: Path) -> Path:
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(('127.0.0.1', 0))
-        return probe.getsockname()[1]
-
-
 def _launch(path: str, pretrained: Path, data: Path, work: Path) -> list[dict]:
     out = work / path
     overrides = [f'variables.model_path={pretrained}', f'variables.data_root={data}', f'variables.out={out}',
                  f'model.load_on_rank0={PATHS[path]}']
-    cmd = [sys.executable, '-m', 'composer.cli.launcher', '-n', str(PROCESSES), '--master_port', str(_free_port()),
-           '-m', 'dha_train.train', str(recipe_path('bench/load.yaml')), *overrides]
     log = work / f'{path}.log'
-    threads = max(1, (os.cpu_count() or 1) // PROCESSES)
-    env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': str(threads)}
-    with log.open('w') as handle:
-        done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    code = launch_bench_recipe(PROCESSES, 'bench/load.yaml', overrides, log)
     files = [out / f'rank{rank}.json' for rank in range(PROCESSES)]
-    if done.returncode != 0 or not all(f.is_file() for f in files):
-        raise RuntimeError(f'bench load run {path} failed (exit {done.returncode}); see {log}')
+    if code != 0 or not all(f.is_file() for f in files):
+        raise RuntimeError(f'bench load run {path} failed (exit {code}); see {log}')
     return [json.loads(f.read_text()) for f in files]
 
 

