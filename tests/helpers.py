@@ -9,7 +9,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
+from dha_train.bench_support import free_port  # noqa: F401  (the tests' launches take their ports from it too)
 from dha_train.models.head_map import HeadMap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,14 +187,6 @@ def launcher_env(port: int | None = None, **extra: str) -> dict[str, str]:
     return {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': '1',
             'DHA_TRAIN': f'{sys.executable} -m dha_train.cli',
             'COMPOSER': f'{sys.executable} -m composer.cli.launcher --master_port {port or free_port()}', **extra}
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a launch's --master_port (instead of fixed numbers that collide
-    when two test runs share a machine)."""
-    with socket.socket() as probe:
-        probe.bind(('127.0.0.1', 0))
-        return probe.getsockname()[1]
 
 
 HEADS, HEAD_DIM, LAYERS = 8, 8, 2
