@@ -20,7 +20,7 @@ MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 # Options of DeepSeek's format only (the project's MLA class has no latent norm).
-_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin')
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin', 'freq_fold')
 # Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
 # settings classes hold the defaults.
 _MLA_SHARED = ('rope_pairs', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default=None,
                      help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
                           'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
+    mla.add_argument('--freq-fold', dest='freq_fold', type=int, default=None,
+                     help='deepseek: this many consecutive slots of the shared RoPE key share one analysis of every '
+                          'source pair their frequencies span (FreqFold; default 1: each slot its own pair)')
     mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
                      help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
                           'one latent channel that holds the latent\'s RMS near-constant)')
@@ -145,7 +148,8 @@ def run_deepseek(args: argparse.Namespace) -> int:
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '
-          f'{report["rope_pairs"]} ({report["rope_energy_kept"]:.1%} of the key energy kept rotated), a pin channel '
+          f'{report["rope_pairs"]}, fold {report["freq_fold"]} ({report["rope_energy_kept"]:.1%} of the key energy '
+          f'kept rotated), a pin channel '
           f'in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers, '
           f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
           f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')

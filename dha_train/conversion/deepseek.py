@@ -26,14 +26,14 @@ from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.deepseek import (
     LATENT_NORM_EPS,
     LATENT_NORM_FITS,
-    choose_stride,
     deepseek_attention_weights,
     kv_b_weight,
     latent_norm_fit,
     normed_latent_error,
-    pair_key_energy,
-    principal_directions,
+    pair_key_cross_energy,
     rope_theta_for_stride,
+    shared_key_mix,
+    stride_choices,
     strided_pairs,
 )
 from dha_train.ops.mla import BALANCES
@@ -46,6 +46,7 @@ CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: 
 class DeepseekSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
     rope_pairs: int | None = None  # pairs of the shared RoPE key (qk_rope_head_dim / 2); default head_dim / 4
+    freq_fold: int = 1  # consecutive RoPE slots that share one analysis of the pairs they span (ops.deepseek)
     latent_norm_fit: str = 'regression'  # regression (kv_b regressed on the normed latent) or scalar
     pin: bool = True  # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error
     balance: str = 'energy'
@@ -111,13 +112,13 @@ def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Con
         initializer_range=config.initializer_range, torch_dtype='float32')
 
 
-def _fitted(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
+def _fitted(attention, config, mix: torch.Tensor, rank: int,
             covariance: torch.Tensor | None, balance: str, fit: str | None, inputs: torch.Tensor | None,
             pin: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(``ops.deepseek.deepseek_attention_weights``, the rows ``kv_b`` maps the normed latent with) in float64."""
     dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
     weights = deepseek_attention_weights(attention.q_proj.weight.detach(), attention.k_proj.weight.detach(),
-                                         attention.v_proj.weight.detach(), heads, kv_heads, dim, kept, directions,
+                                         attention.v_proj.weight.detach(), heads, kv_heads, dim, mix,
                                          rank, covariance, balance, inputs if pin else None)
     if fit is None:
         return weights, weights['up']
@@ -125,7 +126,7 @@ def _fitted(attention, config, kept: list[int], directions: torch.Tensor, rank: 
                                     weights['targets'], inputs)
 
 
-def pin_helps(attention, config, kept: list[int], directions: torch.Tensor, rank: int, covariance: torch.Tensor,
+def pin_helps(attention, config, mix: torch.Tensor, rank: int, covariance: torch.Tensor,
               balance: str, fit: str, inputs: torch.Tensor) -> tuple[bool, dict[bool, float]]:
     """Whether a pin channel lowers the layer's key and value error through the latent norm on tokens it was not
     fitted on (fitted on one half of ``inputs``, measured on the other); and both errors (relative)."""
@@ -133,25 +134,43 @@ def pin_helps(attention, config, kept: list[int], directions: torch.Tensor, rank
     fitted_on, held_out = inputs[:half].double(), inputs[half:].double()
     errors = {}
     for pin in (False, True):
-        weights, rows = _fitted(attention, config, kept, directions, rank, covariance, balance, fit, fitted_on, pin)
+        weights, rows = _fitted(attention, config, mix, rank, covariance, balance, fit, fitted_on, pin)
         errors[pin] = normed_latent_error(weights['targets'], weights['kv_a_proj_with_mqa.weight'][:rank], rows,
                                           held_out)
     return errors[True] < errors[False], errors
 
 
-def layer_weights(attention, config, kept: list[int], directions: torch.Tensor, rank: int,
+def layer_weights(attention, config, mix: torch.Tensor, rank: int,
                   covariance: torch.Tensor | None, balance: str, fit: str | None,
                   inputs: torch.Tensor | None, pin: bool = False) -> dict[str, torch.Tensor]:
     """One attention's DeepSeek weights (float32). ``fit`` None keeps ``kv_b`` = ``up`` for the latent un-normed
     (the exact part of the conversion, for tests that replace the latent norm by the identity). ``pin`` adds the
     pin channel, its direction from ``inputs`` (sampled attention inputs)."""
     dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
-    weights, rows = _fitted(attention, config, kept, directions, rank, covariance, balance, fit, inputs, pin)
+    weights, rows = _fitted(attention, config, mix, rank, covariance, balance, fit, inputs, pin)
     return {'q_proj.weight': weights['q_proj.weight'].float(),
             'kv_a_proj_with_mqa.weight': weights['kv_a_proj_with_mqa.weight'].float(),
             'kv_a_layernorm.weight': torch.ones(rank, device=rows.device),
             'kv_b_proj.weight': kv_b_weight(rows, heads, kv_heads, dim).float(),
             'o_proj.weight': attention.o_proj.weight.detach().float()}
+
+
+def choose_shared_key(cross_energies: list[torch.Tensor], dim: int, pairs: int,
+                      fold: int) -> tuple[int, list[torch.Tensor], list[float]]:
+    """(the stride, each layer's ``mix`` at it, each layer's share of its key energy kept rotated): the stride whose
+    shared key keeps the most key energy, summed over layers as shares (layers of different scale count alike)."""
+    best = None
+    for stride in stride_choices(dim, pairs):
+        slots = strided_pairs(pairs, stride)
+        mixes, shares = [], []
+        for cross in cross_energies:
+            mix, kept = shared_key_mix(cross, slots, fold, stride)
+            total = float(cross.diagonal(dim1=0, dim2=2).diagonal(dim1=0, dim2=1).sum())
+            mixes.append(mix)
+            shares.append(kept / total if total > 0 else 0.0)
+        if best is None or sum(shares) > sum(best[2]):
+            best = (stride, mixes, shares)
+    return best
 
 
 def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: DeepseekSettings, *,
@@ -163,6 +182,8 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         raise ConfigError(f"convert --format deepseek: --latent-norm-fit must be one of {', '.join(LATENT_NORM_FITS)}")
     if settings.balance not in BALANCES:
         raise ConfigError(f"convert --format deepseek: --balance must be one of {', '.join(BALANCES)}")
+    if settings.freq_fold < 1:
+        raise ConfigError(f'convert --format deepseek: --freq-fold must be at least 1, got {settings.freq_fold}')
     if settings.data is None:
         raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
                           'latent and its norm fit are taken from the source\'s attention inputs')
@@ -183,17 +204,12 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     model = model.cpu().float()
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     layers = attention_modules(model)
-    covariances, directions, principal, totals = [], [], [], []
+    covariances, cross_energies = [], []
     for index, attention in enumerate(layers):
         running = calibration.layer(index, 'input').running
-        covariance = (running.gram / running.count).double().cpu()
-        energy = pair_key_energy(attention.k_proj.weight.detach(), covariance, kv_heads, dim)
-        u, top = principal_directions(energy)
-        covariances.append(covariance)
-        directions.append(u)
-        principal.append(top)
-        totals.append(float(energy.diagonal(dim1=1, dim2=2).sum()))
-    stride = choose_stride(principal, totals, dim, pairs)
+        covariances.append((running.gram / running.count).double().cpu())
+        cross_energies.append(pair_key_cross_energy(attention.k_proj.weight.detach(), covariances[-1], kv_heads, dim))
+    stride, mixes, kept_shares = choose_shared_key(cross_energies, dim, pairs, settings.freq_fold)
     kept = strided_pairs(pairs, stride)
 
     ds_config = deepseek_config(config, rank, pairs, stride)
@@ -206,12 +222,12 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         inputs = calibration.layer(index, 'input').sample.double().cpu()
         pin = False
         if settings.pin:
-            pin, errors = pin_helps(attention, config, kept, directions[index], rank, covariances[index],
+            pin, errors = pin_helps(attention, config, mixes[index], rank, covariances[index],
                                     settings.balance, settings.latent_norm_fit, inputs)
             pin_errors.append({'unpinned': errors[False], 'pinned': errors[True]})
         if pin:
             pinned.append(index)
-        weights = layer_weights(attention, config, kept, directions[index], rank, covariances[index],
+        weights = layer_weights(attention, config, mixes[index], rank, covariances[index],
                                 settings.balance, settings.latent_norm_fit, inputs, pin)
         state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
     del model
@@ -221,9 +237,10 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     if missing or unexpected:
         raise RuntimeError(f'deepseek conversion: weights do not match (missing {missing[:4]}, unexpected '
                            f'{unexpected[:4]})')
-    kept_energy = sum(float(top[kept].sum()) / total for top, total in zip(principal, totals)) / len(totals)
+    kept_energy = sum(kept_shares) / len(kept_shares)
     cached = config.num_hidden_layers * (rank + 2 * pairs)
     report = {'kv_lora_rank': rank, 'qk_rope_head_dim': 2 * pairs, 'rope_stride': stride, 'rope_pairs': kept,
+              'freq_fold': settings.freq_fold,
               'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit, 'pinned_layers': pinned,
               'layer_pin_errors': pin_errors,
               'latent_norm_eps': LATENT_NORM_EPS, 'balance': settings.balance,

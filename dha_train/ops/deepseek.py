@@ -19,9 +19,18 @@ residual ``k_gi - u_ig * k'_i``. So for the kept pairs:
 - the residual joins the position-free key of head ``g`` (its ``d`` dims: the full key on the pairs not kept, the
   residual on the kept ones), and loses RoPE: the approximation, zero for an MQA source (``G = 1``).
 
+**Folded frequencies (FreqFold).** Neighbouring RoPE frequencies turn at nearly the same speed. With a fold of
+``F`` slots, ``F`` consecutive slots of the shared key share one principal analysis over every source pair their
+frequencies span (``s F`` pairs at stride ``s``, ``G`` heads each): the top ``F`` eigenvectors of the cross-pair key
+energy ``M_(i,g),(j,h) = sum over both components of E[k_gi k_hj]`` become the ``F`` slots, each turned at its
+slot's frequency (ordered by the energy-weighted mean frequency of what they mix, fastest first). Mixing pairs of
+different frequencies is exact only at equal frequencies: the fold trades that error for more key energy kept
+rotated (the top ``F`` of ``s F G`` components, against one per slot's own pair without it). A fold of 1 is the
+plain per-pair analysis above. (TransMLA's FreqFold, derived here for the strided, shared-key layout.)
+
 **Frequencies.** The class computes ``theta'^(-2k / 2p)``, ``k < p``, from ``rope_theta``, so the kept pairs must
 be ``0, s, 2s, ..., (p-1)s`` for a stride ``s``, with ``theta' = theta^(2 p s / d)`` (``s = d / 2p`` keeps
-``theta``). ``choose_stride`` picks the stride that keeps the most principal-head energy. ``linear`` and ``llama3``
+``theta``). The conversion picks the stride whose shared key keeps the most key energy. ``linear`` and ``llama3``
 RoPE scaling act per frequency and carry over; YaRN and dynamic scaling do not (refused by the conversion).
 
 **Latent.** The position-free keys and the values of all ``G`` heads are factored jointly as in ``ops.mla``
@@ -78,33 +87,53 @@ def rope_theta_for_stride(theta: float, head_dim: int, pairs: int, stride: int) 
     return float(theta) ** (2 * pairs * stride / head_dim)
 
 
-def pair_key_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
-                    head_dim: int) -> torch.Tensor:
-    """(pairs, G, G) float64: ``M_i``, the pair-``i`` key energy across the K/V heads, both components summed."""
+def pair_key_cross_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
+                          head_dim: int) -> torch.Tensor:
+    """(pairs, G, pairs, G) float64: the key energy across pairs and heads, both components summed (block ``(i,
+    i)`` is ``M_i``)."""
     half = head_dim // 2
-    rows = k_weight.double().reshape(kv_heads, 2, half, -1)  # (G, [first, second half], pair, hidden)
-    rows = rows.permute(2, 1, 0, 3)  # (pair, component, G, hidden)
+    rows = k_weight.double().reshape(kv_heads, 2, half, -1).permute(1, 2, 0, 3)  # (component, pair, G, hidden)
     if covariance is None:
-        return torch.einsum('pcgh,pckh->pgk', rows, rows)
-    return torch.einsum('pcgh,hj,pckj->pgk', rows, covariance.double(), rows)
+        return torch.einsum('cpgh,cqkh->pgqk', rows, rows)
+    return torch.einsum('cpgh,hj,cqkj->pgqk', rows, covariance.double(), rows)
 
 
-def principal_directions(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u (pairs, G) unit, sign fixed so the largest entry is positive; the energy it carries (pairs,)) from
-    ``pair_key_energy``."""
-    values, vectors = torch.linalg.eigh((energy + energy.transpose(1, 2)) / 2)
-    top = vectors[:, :, -1]
-    sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))
-    return top * sign, values[:, -1].clamp_min(0.0)
+def fold_spans(slots: list[int], fold: int, stride: int, half: int) -> list[tuple[list[int], list[int]]]:
+    """(slot indices, source pairs) of each fold: ``fold`` consecutive slots and every source pair their frequencies
+    span (``stride * fold`` pairs from the first slot's, within the head); a fold of 1 reads only its slot's pair."""
+    if fold < 1:
+        raise ValueError(f'the frequency fold must be at least 1, got {fold}')
+    spans = []
+    for first in range(0, len(slots), fold):
+        members = list(range(first, min(first + fold, len(slots))))
+        if fold == 1:
+            spans.append((members, [slots[first]]))
+        else:
+            spans.append((members, list(range(slots[first], min(slots[first] + stride * len(members), half)))))
+    return spans
 
 
-def choose_stride(principal_energies: list[torch.Tensor], totals: list[float], head_dim: int, pairs: int) -> int:
-    """The stride whose kept pairs hold the most principal-head energy, summed over layers as each layer's share
-    of its total key energy (layers of different scale count alike)."""
-    def kept(stride: int) -> float:
-        index = strided_pairs(pairs, stride)
-        return sum(float(energy[index].sum()) / total for energy, total in zip(principal_energies, totals) if total > 0)
-    return max(stride_choices(head_dim, pairs), key=kept)
+def shared_key_mix(cross: torch.Tensor, slots: list[int], fold: int = 1, stride: int = 1) -> tuple[torch.Tensor,
+                                                                                                      float]:
+    """(mix (p, pairs, G): slot ``k`` of the shared key is ``sum_(i,g) mix[k, i, g] k_gi``, orthonormal over slots;
+    the key energy it keeps) from ``pair_key_cross_energy``. Fold 1: each slot the top eigenvector of its pair's
+    energy across heads; fold ``F``: see the module's note on folded frequencies."""
+    half, kv_heads = cross.shape[0], cross.shape[1]
+    mix = torch.zeros(len(slots), half, kv_heads, dtype=torch.float64, device=cross.device)
+    kept = 0.0
+    for members, pairs in fold_spans(slots, fold, stride, half):
+        index = torch.tensor(pairs, dtype=torch.long, device=cross.device)
+        block = cross[index][:, :, index].reshape(len(pairs) * kv_heads, len(pairs) * kv_heads)
+        values, vectors = torch.linalg.eigh((block + block.T) / 2)
+        top = vectors[:, -len(members):].flip(1).T                                 # (F, pairs * G), largest first
+        sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))
+        top = (top * sign).reshape(len(members), len(pairs), kv_heads)
+        weight = top.pow(2).sum(-1)                                                # (F, pairs): where each one lives
+        centre = weight @ index.double() / weight.sum(1)
+        for member, component in zip(members, centre.argsort().tolist()):
+            mix[member, index] = top[component]
+        kept += float(values[-len(members):].clamp_min(0.0).sum())
+    return mix, kept
 
 
 def _interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -133,8 +162,8 @@ def pin_channel(down: torch.Tensor, covariance: torch.Tensor, inputs: torch.Tens
 
 
 def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
-                               num_heads: int, kv_heads: int, head_dim: int, kept: list[int],
-                               directions: torch.Tensor, rank: int, covariance: torch.Tensor | None = None,
+                               num_heads: int, kv_heads: int, head_dim: int, mix: torch.Tensor,
+                               rank: int, covariance: torch.Tensor | None = None,
                                balance: str = 'energy',
                                pin_inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One layer in float64: ``q_proj`` (H * (d + 2p) rows: per head its d position-free then 2p interleaved
@@ -143,18 +172,18 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
     K/V head its d value rows; x rank: ``kv_b_proj`` before the latent norm, see ``kv_b_weight``) and ``targets``
     (the same rows as maps of the input, un-factored: what ``up @ latent`` approximates). With ``pin_inputs``
     (sampled attention inputs; needs ``covariance``) the last latent row is the pin channel (``pin_channel``), whose
-    column of ``up`` is 0, and the factorisation gets ``rank - 1``."""
+    column of ``up`` is 0, and the factorisation gets ``rank - 1``. ``mix`` (p, d/2, G) makes the shared key's
+    slots from the source's pairs (``shared_key_mix``)."""
     half = head_dim // 2
     group = num_heads // kv_heads
     keys = k_weight.double().reshape(kv_heads, head_dim, -1)
     queries = q_weight.double().reshape(num_heads, head_dim, -1)
-    u = directions.double()[kept]  # (p, G)
-    index = torch.tensor(kept, dtype=torch.long, device=keys.device)
-    shared_first = torch.einsum('pg,gph->ph', u, keys[:, index])              # (p, hidden)
-    shared_second = torch.einsum('pg,gph->ph', u, keys[:, index + half])
-    nope_keys = keys.clone()
-    nope_keys[:, index] -= u.T[:, :, None] * shared_first[None]                # the residual of each kept pair
-    nope_keys[:, index + half] -= u.T[:, :, None] * shared_second[None]
+    mix = mix.double().to(keys.device)
+    shared_first = torch.einsum('kig,gih->kh', mix, keys[:, :half])             # (p, hidden)
+    shared_second = torch.einsum('kig,gih->kh', mix, keys[:, half:])
+    nope_keys = keys.clone()                                                    # what the shared key leaves out
+    nope_keys[:, :half] -= torch.einsum('kig,kh->gih', mix, shared_first)
+    nope_keys[:, half:] -= torch.einsum('kig,kh->gih', mix, shared_second)
     targets = torch.cat([nope_keys.reshape(kv_heads * head_dim, -1), v_weight.double()])
     scales = None
     if balance != 'none':
@@ -167,12 +196,11 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
         down = torch.cat([down, pin_channel(down, covariance, pin_inputs)[None]])
         up = torch.cat([up, torch.zeros(up.shape[0], 1, dtype=up.dtype, device=up.device)], dim=1)
 
-    kv_of_query = torch.arange(num_heads, device=u.device) // group
-    query_scale = u.T[kv_of_query]                                              # (H, p): u_ig of each query head
-    rope_queries = torch.stack([_interleave(queries[h, index] * query_scale[h, :, None],
-                                            queries[h, index + half] * query_scale[h, :, None])
+    kv_of_query = torch.arange(num_heads, device=keys.device) // group
+    query_mix = mix.permute(2, 0, 1)[kv_of_query]                               # (H, p, d/2): each head's K/V head's
+    rope_queries = torch.stack([_interleave(query_mix[h] @ queries[h, :half], query_mix[h] @ queries[h, half:])
                                 for h in range(num_heads)])                    # (H, 2p, hidden)
-    rope_dim = 2 * len(kept)
+    rope_dim = 2 * mix.shape[0]
     score_scale = math.sqrt((head_dim + rope_dim) / head_dim)
     q_proj = torch.cat([queries, rope_queries], dim=1).reshape(num_heads * (head_dim + rope_dim), -1) * score_scale
     kv_a = torch.cat([down, _interleave(shared_first, shared_second)])

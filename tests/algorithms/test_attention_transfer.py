@@ -98,7 +98,7 @@ def test_a_deepseek_format_student_is_taught_by_the_source_at_the_sources_own_po
     from transformers import DeepseekV3ForCausalLM
 
     from dha_train.conversion.deepseek import deepseek_config, layer_weights
-    from dha_train.ops.deepseek import pair_key_energy, principal_directions, strided_pairs
+    from dha_train.ops.deepseek import pair_key_cross_energy, shared_key_mix, strided_pairs
 
     save_tiny_llama(tmp_path / 'source', tokenizer_dir, seed=11)
     source = AutoModelForCausalLM.from_pretrained(tmp_path / 'source').eval()
@@ -107,8 +107,8 @@ def test_a_deepseek_format_student_is_taught_by_the_source_at_the_sources_own_po
     student = DeepseekV3ForCausalLM(deepseek_config(config, rank=dim, pairs=1, stride=1)).eval()
     state = {name: tensor for name, tensor in source.state_dict().items() if '.self_attn.' not in name}
     for index, layer in enumerate(source.model.layers):
-        energy = pair_key_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, dim)
-        weights = layer_weights(layer.self_attn, config, strided_pairs(1, 1), principal_directions(energy)[0], dim,
+        cross = pair_key_cross_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, dim)
+        weights = layer_weights(layer.self_attn, config, shared_key_mix(cross, strided_pairs(1, 1))[0], dim,
                                 None, 'none', None, None)
         state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
     student.load_state_dict(state, strict=False)

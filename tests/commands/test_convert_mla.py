@@ -117,6 +117,9 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
      'mean_pool: --cache-fraction, --balance apply only to --method mla'),
     (['--method', 'mla', '--cache-fraction', '0.5', '--latent-norm-fit', 'scalar', '--no-latent-pin'],
      '--latent-norm-fit, --no-latent-pin apply only to --format deepseek'),
+    (['--method', 'mla', '--cache-fraction', '0.5', '--freq-fold', '2'], '--freq-fold apply only to --format deepseek'),
+    (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--freq-fold', '0', '--data', 'x'],
+     '--freq-fold must be at least 1'),
 ])
 def test_bad_requests_are_one_line_before_any_work(gqa_source, tmp_path, capsys, arguments, message):
     assert main(['convert', str(gqa_source), str(tmp_path / 'out'), *arguments]) == 2

@@ -13,7 +13,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dha_train.conversion.deepseek import deepseek_config, layer_weights
-from dha_train.ops.deepseek import pair_key_energy, principal_directions, strided_pairs
+from dha_train.ops.deepseek import pair_key_cross_energy, shared_key_mix, strided_pairs
 
 HEADS, HEAD_DIM, LAYERS = 4, 8, 2
 
@@ -31,7 +31,7 @@ def _source(kv_heads: int) -> LlamaForCausalLM:
     return model
 
 
-def _deepseek(source: LlamaForCausalLM, pairs: int, stride: int, rank: int) -> DeepseekV3ForCausalLM:
+def _deepseek(source: LlamaForCausalLM, pairs: int, stride: int, rank: int, fold: int = 1) -> DeepseekV3ForCausalLM:
     """The source in the DeepSeek class, the latent norm replaced by the identity (kv_b is the un-normed up)."""
     config = source.config
     kept = strided_pairs(pairs, stride)
@@ -39,9 +39,9 @@ def _deepseek(source: LlamaForCausalLM, pairs: int, stride: int, rank: int) -> D
     model.config._attn_implementation = 'eager'
     state = {name: tensor for name, tensor in source.state_dict().items() if '.self_attn.' not in name}
     for index, layer in enumerate(source.model.layers):
-        energy = pair_key_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, HEAD_DIM)
-        directions, _ = principal_directions(energy)
-        weights = layer_weights(layer.self_attn, config, kept, directions, rank, None, 'none', None, None)
+        cross = pair_key_cross_energy(layer.self_attn.k_proj.weight, None, config.num_key_value_heads, HEAD_DIM)
+        mix, _ = shared_key_mix(cross, kept, fold, stride)
+        weights = layer_weights(layer.self_attn, config, mix, rank, None, 'none', None, None)
         state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -130,11 +130,11 @@ def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_nor
     covariance = fit_on.T @ fit_on / fit_on.shape[0]
     weights = {name: torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
                for name, rows in (('q', heads * dim), ('k', kv_heads * dim), ('v', kv_heads * dim))}
-    directions, _ = principal_directions(pair_key_energy(weights['k'], covariance, kv_heads, dim))
+    mix, _ = shared_key_mix(pair_key_cross_energy(weights['k'], covariance, kv_heads, dim), [0, 2])
     errors, spreads, floors = {}, {}, {}
     for pin in (False, True):
-        layer = deepseek_attention_weights(weights['q'], weights['k'], weights['v'], heads, kv_heads, dim, [0, 2],
-                                           directions, rank, covariance, 'energy', fit_on if pin else None)
+        layer = deepseek_attention_weights(weights['q'], weights['k'], weights['v'], heads, kv_heads, dim, mix,
+                                           rank, covariance, 'energy', fit_on if pin else None)
         down = layer['kv_a_proj_with_mqa.weight'][:rank]
         rows = latent_norm_fit('regression', layer['up'], down, layer['targets'], fit_on)
         errors[pin] = normed_latent_error(layer['targets'], down, rows, held_out)
@@ -146,3 +146,46 @@ def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_nor
     assert spreads[True] < 0.3 * spreads[False]
     # what the norm adds to the latent's own (rank) error: cut by more than 5x
     assert errors[True] - floors[True] < 0.2 * (errors[False] - floors[False])
+
+
+def _frequencies_equal_in_pairs_of_two(model) -> torch.Tensor:
+    """Give RoPE pairs 2j and 2j+1 of ``model`` the same frequency (pair 2j's); returns the new frequencies."""
+    inv_freq = model.model.rotary_emb.inv_freq
+    inv_freq[1::2] = inv_freq[0::2].clone()
+    return inv_freq.clone()
+
+
+def test_a_fold_of_two_is_exact_where_the_folded_frequencies_are_equal():
+    """FreqFold's approximation is the frequency mismatch alone: an MQA source whose pairs turn alike two by two,
+    every pair in the shared key folded two slots at a time (each slot a mix of both pairs), is the source at every
+    position; with the source's own (unequal) frequencies it is not."""
+    source = _source(kv_heads=1)
+    unfolded = _deepseek(source, pairs=HEAD_DIM // 2, stride=1, rank=2 * HEAD_DIM, fold=2)
+    with torch.no_grad():
+        assert not torch.allclose(unfolded(_ids()).logits, source(_ids()).logits, atol=1e-3)
+    frequencies = _frequencies_equal_in_pairs_of_two(source)
+    model = _deepseek(source, pairs=HEAD_DIM // 2, stride=1, rank=2 * HEAD_DIM, fold=2)
+    model.model.rotary_emb.inv_freq.copy_(frequencies)  # slot k turns at pair k's frequency, as in the config
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, source(_ids()).logits, rtol=0, atol=1e-4)
+
+
+def test_a_fold_mixes_pairs_within_its_span_and_keeps_more_key_energy():
+    """The folded shared key is orthonormal over slots, each slot reads only the pairs its fold spans, and it keeps
+    at least the unfolded key's energy (the unfolded choice is one the fold could make); a fold of 1 is the
+    per-pair principal key: each slot reads its own pair only."""
+    generator = torch.Generator().manual_seed(5)
+    kv_heads, dim, hidden = 3, 16, 40
+    k_weight = torch.randn(kv_heads * dim, hidden, dtype=torch.float64, generator=generator)
+    cross = pair_key_cross_energy(k_weight, None, kv_heads, dim)
+    slots = strided_pairs(4, 2)  # pairs 0, 2, 4, 6 of 8
+    plain, plain_kept = shared_key_mix(cross, slots, 1, 2)
+    folded, folded_kept = shared_key_mix(cross, slots, 2, 2)
+    for mix in (plain, folded):
+        flat = mix.reshape(len(slots), -1)
+        torch.testing.assert_close(flat @ flat.T, torch.eye(len(slots), dtype=torch.float64))
+    assert (plain.abs().sum(-1) > 0).nonzero()[:, 1].tolist() == slots  # each slot its own pair
+    reads = (folded.abs().sum(-1) > 0)
+    assert reads[:2, 4:].sum() == 0 and reads[2:, :4].sum() == 0  # slots 0-1 span pairs 0-3, slots 2-3 pairs 4-7
+    assert reads[:2, :4].any(0).all() and reads[2:, 4:].any(0).all()  # the dropped pairs 1, 3, 5, 7 are read too
+    assert folded_kept > plain_kept

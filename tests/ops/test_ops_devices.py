@@ -67,13 +67,14 @@ def _mla_and_deepseek_conversion_maths(inputs, balance) -> list[torch.Tensor]:
     rows, scales = joint_latent_rows(k, v, kept, DIM, covariance, balance)
     spectrum = latent_energies(rows, covariance, scales)
     converted = mla_layer_weights(k, v, kept, DIM, 6, covariance, balance)
-    directions, _ = deepseek.principal_directions(deepseek.pair_key_energy(k, covariance, KV_HEADS, DIM))
-    layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, [0, 2], directions, 6, covariance,
+    mix, _ = deepseek.shared_key_mix(deepseek.pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2])
+    folded, _ = deepseek.shared_key_mix(deepseek.pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2], 2, 2)
+    layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, mix, 6, covariance,
                                                 balance, pin_inputs=x)
     fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
                                       layer['targets'], x)
     kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
-    return [spectrum, *converted.values(), *layer.values(), kv_b]
+    return [spectrum, *converted.values(), *layer.values(), kv_b, folded]
 
 
 def test_alignment_similarity_and_refit_maths(inputs):
