@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           '(one rank, one RoPE key shared by all heads), the format serving engines\' MLA kernels run')
     mla.add_argument('--rope-pairs', type=int, default=None,
                      help=f'RoPE pairs kept rotated: per K/V head (default {defaults.rope_pairs}), or with --format '
-                          'deepseek in the shared RoPE key (default head_dim / 4)')
+                          'deepseek in the shared RoPE key (default: a quarter of the cached numbers, at most '
+                          'head_dim / 2)')
     mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=None,
                      help=f'which pairs each K/V head keeps (default {defaults.pair_criterion}; not with deepseek, '
                           'whose pairs are strided)')
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
     mla.add_argument('--freq-fold', dest='freq_fold', type=int, default=None,
                      help='deepseek: this many consecutive slots of the shared RoPE key share one analysis of every '
-                          'source pair their frequencies span (FreqFold; default 1: each slot its own pair)')
+                          'source pair their frequencies span (FreqFold; default 2; 1: each slot its own pair)')
     mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
                      help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
                           'one latent channel that holds the latent\'s RMS near-constant)')

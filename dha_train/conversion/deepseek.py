@@ -40,13 +40,20 @@ from dha_train.ops.mla import BALANCES
 from dha_train.paths import refuse_nonempty, staged_folder
 
 CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies
+# Defaults chosen on a validation text no conversion calibrates on and no bench scores (vim's help files), on
+# SmolLM2-135M at a third and two thirds of its cache: a fold of 2 beat 1 and 4 at both, and a RoPE key of a quarter
+# of the cached numbers beat a half (at a third) and an eighth or a half (at two thirds); docs/methods/mla.md.
+DEFAULT_FREQ_FOLD = 2
+ROPE_SHARE = 0.25
 
 
 @dataclass
 class DeepseekSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
-    rope_pairs: int | None = None  # pairs of the shared RoPE key (qk_rope_head_dim / 2); default head_dim / 4
-    freq_fold: int = 1  # consecutive RoPE slots that share one analysis of the pairs they span (ops.deepseek)
+    # Pairs of the shared RoPE key (qk_rope_head_dim / 2); default a quarter of the cached numbers (ROPE_SHARE).
+    rope_pairs: int | None = None
+    # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
+    freq_fold: int = DEFAULT_FREQ_FOLD
     latent_norm_fit: str = 'regression'  # regression (kv_b regressed on the normed latent) or scalar
     pin: bool = True  # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error
     balance: str = 'energy'
@@ -77,15 +84,17 @@ def check_source(config) -> None:
 def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
     """(pairs of the shared RoPE key, kv_lora_rank, the source's K+V numbers per token and layer)."""
     dim, kv_heads = head_dim(config), config.num_key_value_heads
-    pairs = settings.rope_pairs if settings.rope_pairs is not None else max(1, dim // 4)
+    source = 2 * kv_heads * dim
+    numbers = math.floor(settings.cache_fraction * source + 1e-9)  # cached per token and layer
+    default_pairs = min(dim // 2, max(1, int(ROPE_SHARE * numbers) // 2))
+    pairs = settings.rope_pairs if settings.rope_pairs is not None else default_pairs
     if not 1 <= pairs <= dim // 2:
         raise ConfigError(f'convert --format deepseek: --rope-pairs must be within 1..{dim // 2} for {dim}-dim heads, '
                           f'got {pairs}')
-    source = 2 * kv_heads * dim
-    rank = math.floor(settings.cache_fraction * source + 1e-9) - 2 * pairs
+    rank = numbers - 2 * pairs
     if rank < 1:
         raise ConfigError(f'convert --format deepseek: a cache fraction of {settings.cache_fraction} '
-                          f'({math.floor(settings.cache_fraction * source + 1e-9)} numbers per token and layer) leaves '
+                          f'({numbers} numbers per token and layer) leaves '
                           f'no latent after a {2 * pairs}-dim RoPE key; lower --rope-pairs or raise the fraction')
     if rank > 2 * kv_heads * dim:
         raise ConfigError(f'convert --format deepseek: latent rank {rank} exceeds the {2 * kv_heads * dim} key and '
