@@ -168,13 +168,14 @@ def choose_shared_key(cross_energies: list[torch.Tensor], dim: int, pairs: int,
                       fold: int) -> tuple[int, list[torch.Tensor], list[float]]:
     """(the stride, each layer's ``mix`` at it, each layer's share of its key energy kept rotated): the stride whose
     shared key keeps the most key energy, summed over layers as shares (layers of different scale count alike)."""
+    # each layer's whole key energy: the trace of its (pair, head) x (pair, head) energy
+    totals = [float(cross.flatten(0, 1).flatten(1, 2).trace()) for cross in cross_energies]
     best = None
     for stride in stride_choices(dim, pairs):
         slots = strided_pairs(pairs, stride)
         mixes, shares = [], []
-        for cross in cross_energies:
+        for cross, total in zip(cross_energies, totals):
             mix, kept = shared_key_mix(cross, slots, fold, stride)
-            total = float(cross.diagonal(dim1=0, dim2=2).diagonal(dim1=0, dim2=1).sum())
             mixes.append(mix)
             shares.append(kept / total if total > 0 else 0.0)
         if best is None or sum(shares) > sum(best[2]):
