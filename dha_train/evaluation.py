@@ -34,6 +34,7 @@ from dha_train.harness import RESULTS_FILE, EvalError, check_tasks, headline, re
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import TOKENIZER_FILES, check_model_folder, has_tokenizer
+from dha_train.models.llama_layout import attention_modules
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
@@ -85,6 +86,48 @@ def validation_loss(model, tokenizer, data_root: str | Path, batch_size: int = 8
     finally:
         close_trainer(trainer)
     return {**losses, 'mean': sum(losses.values()) / len(losses)}
+
+
+@torch.no_grad()
+def attention_output_errors(teacher, student, input_ids: torch.Tensor) -> list[float]:
+    """Per layer, ``||a_s - a_t|| / ||a_t||`` of the attention output (after ``o_proj``) on ``input_ids``, where
+    the student's layer reads the teacher's input to that layer: each figure is that layer's own error, not the sum
+    of the errors of the layers before it. Works for any LLaMA-style layer stack whose decoder layers call
+    ``self_attn(hidden_states=...)`` (LLaMA, DeepSeek-V3, the project's DHA / MLA / MoH classes)."""
+    teacher_attention, student_attention = attention_modules(teacher), attention_modules(student)
+    if len(teacher_attention) != len(student_attention):
+        raise EvalError(f'attention errors: the teacher has {len(teacher_attention)} layers, the student '
+                        f'{len(student_attention)}')
+    inputs: list[torch.Tensor] = []
+    outputs: dict[str, list[torch.Tensor]] = {'teacher': [], 'student': []}
+    hooks = []
+
+    def record_input(module, args, kwargs):
+        inputs.append(kwargs['hidden_states'] if 'hidden_states' in kwargs else args[0])
+
+    def feed_teacher_input(index):
+        def hook(module, args, kwargs):
+            if 'hidden_states' in kwargs:
+                return args, {**kwargs, 'hidden_states': inputs[index]}
+            return (inputs[index], *args[1:]), kwargs
+        return hook
+
+    def record_output(store):
+        return lambda module, args, output: store.append(output[0] if isinstance(output, tuple) else output)
+
+    try:
+        for index, (t, s) in enumerate(zip(teacher_attention, student_attention)):
+            hooks += [t.register_forward_pre_hook(record_input, with_kwargs=True),
+                      t.register_forward_hook(record_output(outputs['teacher'])),
+                      s.register_forward_pre_hook(feed_teacher_input(index), with_kwargs=True),
+                      s.register_forward_hook(record_output(outputs['student']))]
+        teacher.eval()(input_ids=input_ids, use_cache=False)
+        student.eval()(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [float((s.float() - t.float()).norm() / t.float().norm().clamp_min(1e-12))
+            for t, s in zip(outputs['teacher'], outputs['student'])]
 
 
 def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[str] | None = None,

@@ -13,7 +13,10 @@
 - ``serve``: the models ``real`` made, exported to GGUF and served by llama.cpp: K/V MiB, prompt and decode tokens/s
   against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
-  and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time.
+  and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time;
+- ``mla-zero``: MLA conversions at 0 training tokens (DeepSeek layout, MLA class, mean-pool + refit and, from a
+  local checkout, TransMLA's own converter) at a third and two thirds of SmolLM2-135M's cache, scored on a validation
+  text and two held-out texts that no conversion calibrated on, with piqa / arc_easy and per-layer errors.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from dha_train.commands.bench.real import BUDGETS as REAL_BUDGETS
 from dha_train.commands.bench.real import METHODS as REAL_METHODS
 from dha_train.commands.bench.real import TASKS as REAL_TASKS
 from dha_train.commands.bench.real import RealSettings, run_real_bench
+from dha_train.commands.bench.real.mla_zero import ROWS as MLA_ZERO_ROWS
+from dha_train.commands.bench.real.mla_zero import MlaZeroSettings, run_mla_zero_bench
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
@@ -190,6 +195,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
+    zero = bench.add_parser('mla-zero', help='MLA conversions at 0 training tokens at 1/3 and 2/3 of SmolLM2-135M\'s '
+                            'cache (TransMLA\'s from a checkout): loss on validation and held-out texts, piqa, arc_easy')
+    zero_defaults = MlaZeroSettings()
+    zero.add_argument('--out', default=zero_defaults.out, help='a `bench real` folder: its source and data are reused '
+                      '(default: bench_real); results in <out>/mla_zero')
+    zero.add_argument('--budgets', nargs='+', default=list(zero_defaults.budgets), choices=['kv1', 'kv2'])
+    zero.add_argument('--rows', nargs='+', default=list(MLA_ZERO_ROWS), choices=MLA_ZERO_ROWS)
+    zero.add_argument('--transmla', default=None, help='a checkout of github.com/fxmeng/TransMLA: its converter runs '
+                      'unchanged, on the same calibration sequences (without it, its rows are left out)')
+    zero.add_argument('--transmla-python', dest='transmla_python', default=zero_defaults.transmla_python,
+                      help='the Python that runs TransMLA (default: this one; it needs transformers and datasets)')
+    zero.add_argument('--book', default=None, help='a folder of HTML or text files held out as a second test text '
+                      '(default: the Rust book rustup installs, when present)')
+    zero.add_argument('--validation', default=None, help='the validation text\'s folder (default: vim\'s help files)')
+    zero.add_argument('--tokens', type=int, default=zero_defaults.tokens, help='calibration tokens of every row')
+    zero.add_argument('--limit', type=int, default=zero_defaults.limit, help='first N documents of each task')
+    zero.add_argument('--tasks', nargs='+', default=list(zero_defaults.tasks))
+    zero.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])
+    zero.add_argument('--source', default=zero_defaults.source)
+    zero.add_argument('--seed', type=int, default=zero_defaults.seed)
+    zero.set_defaults(func=run_mla_zero)
     serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU: KV MiB, prompt and "
                              'decode tokens/s against the source, held-out loss from llama.cpp\'s logits')
     defaults = ServeSettings()
@@ -256,6 +282,12 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     run_serve_bench(ServeSettings(**{name: getattr(args, name) for name in ServeSettings.__dataclass_fields__}))
+    return 0
+
+
+def run_mla_zero(args: argparse.Namespace) -> int:
+    run_mla_zero_bench(MlaZeroSettings(**{name: getattr(args, name) for name in MlaZeroSettings.__dataclass_fields__
+                                          if hasattr(args, name)}))
     return 0
 
 

@@ -1,0 +1,388 @@
+"""`dha-train bench mla-zero`: MLA conversions at 0 training tokens, at equal cached numbers, on texts kept apart.
+
+The question it answers: which conversion of a GQA checkpoint to MLA loses least before any training, on text no
+conversion calibrated on and no default was chosen on. The source, its calibration text and the first held-out text
+are `bench real`'s (same ``--out`` folder, reused): SmolLM2-135M, the Python standard library (calibration, 16,384
+tokens for every row, the same sequences) and ``/usr/share/doc`` (held-out). Two more texts:
+
+- validation: vim's help files (``/usr/share/vim/vim*/doc``): the text the DeepSeek-layout defaults were chosen on
+  (``docs/methods/mla.md``, "Ablation"); reported so a reader sees how far choice and test differ;
+- book: a book given by ``--book`` (a folder of HTML or text files; default: The Rust Programming Language as rustup
+  installs it, when present), held out like ``/usr/share/doc``; its row is left out, and the results say so, where
+  there is no book.
+
+Rows per budget (``kv1``: a third of the source's K+V numbers per token, ``kv2``: two thirds):
+
+- ``deepseek``: ``convert --method mla --format deepseek`` with its defaults (the layout engines serve);
+- ``mla``: ``convert --method mla`` (the project's MLA class) as `bench real` runs it;
+- ``mean_pool_refit``: the source mean-pooled to the budget's K/V heads, then ``dha-train refit``;
+- ``transmla``: TransMLA's own converter (``--transmla``: a checkout of github.com/fxmeng/TransMLA, run unchanged in
+  a subprocess; only its data loading is replaced, by the same calibration sequences), its latent rank the budget
+  less its RoPE key, FreqFold 4, as its scripts run it. Left out when no checkout is given.
+
+Columns: the loss on each text, accuracy (acc_norm) on the first ``--limit`` validation documents of piqa and
+arc_easy, zero-shot, and per layer the relative error of the attention output when every layer reads the teacher's
+own input (``evaluation.attention_output_errors``): where the loss goes. Writes ``mla_zero/results.json`` under
+``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import glob
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dha_train.commands.bench.real.runner import StageRunner, _config, _prepare_data, _say, _source
+from dha_train.commands.bench.real.settings import RealSettings, resolve_settings
+from dha_train.config import ConfigError
+from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
+from dha_train.conversion.mean_pool import convert_checkpoint
+from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.refit import RefitSettings, refit_folder
+from dha_train.data.prep import prep_redpajama
+from dha_train.evaluation import attention_output_errors, load_model, run_eval, validation_loss
+from dha_train.harness import headline
+from dha_train.model_folders import folder_digest
+
+ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
+LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
+          'transmla': 'TransMLA'}
+FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
+VALIDATION_GLOB = '/usr/share/vim/vim*/doc'
+DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book'
+TEXT_DOMAIN = 'book'  # prep's label for a single-source folder (it needs one of the RedPajama names)
+TRANSMLA_ROPE_DIM = 64  # its qk_mqa_dim default: one 64-dim shared RoPE key
+TRANSMLA_FREQFOLD = 4  # what its scripts pass for LLaMA-family models
+
+
+@dataclass
+class MlaZeroSettings:
+    out: str = 'bench_real'
+    budgets: Sequence[str] = ('kv1', 'kv2')
+    rows: Sequence[str] = ROWS
+    transmla: str | None = None  # a TransMLA checkout (the repository's root)
+    transmla_python: str = sys.executable
+    book: str | None = None  # a folder of HTML / text files (default: rustup's Rust book when present)
+    validation: str | None = None  # default: vim's help files
+    tokens: int = 16384  # calibration tokens of every row
+    text_tokens: int = 8192  # tokens scored on the validation text and the book
+    text_seq_len: int = 512
+    limit: int = 200
+    tasks: Sequence[str] = ('piqa', 'arc_easy')
+    source: str = 'smollm2-135m'
+    device: str = 'auto'
+    seed: int = 17
+    # bench real's settings for the calibration and /usr/share/doc texts (None: its defaults for the device)
+    train_data: str | None = None
+    seq_len: int | None = None
+    val_tokens: int | None = None
+    include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
+    isolate_stages: bool = True
+
+
+# --- texts --------------------------------------------------------------------------------------------------------
+class _VisibleText(HTMLParser):
+    """An HTML page's visible text, paragraph breaks kept, navigation, scripts and styles left out."""
+
+    HIDDEN = ('script', 'style', 'nav', 'head')
+    BLOCKS = ('p', 'pre', 'h1', 'h2', 'h3', 'h4', 'li', 'div', 'tr')
+
+    def __init__(self):
+        super().__init__()
+        self.parts: list[str] = []
+        self.hidden = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.hidden += tag in self.HIDDEN
+
+    def handle_endtag(self, tag):
+        if tag in self.HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        if tag in self.BLOCKS:
+            self.parts.append('\n')
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def text_documents(root: Path, min_chars: int = 2000) -> list[tuple[str, dict]]:
+    """Every HTML (visible text), .txt, .md or .rst file under ``root`` of at least ``min_chars``, in path order."""
+    documents = []
+    for path in sorted(p for p in root.rglob('*') if p.is_file()):
+        suffix = path.suffix.lower()
+        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst'):
+            continue
+        try:
+            raw = path.read_text(encoding='utf-8')
+        except (OSError, UnicodeDecodeError):
+            continue
+        if suffix in ('.html', '.htm'):
+            parser = _VisibleText()
+            parser.feed(raw)
+            raw = html.unescape(''.join(parser.parts))
+        text = re.sub(r'\n\s*\n+', '\n\n', raw).strip()
+        if len(text) >= min_chars:
+            documents.append((text, {'path': str(path)}))
+    return documents
+
+
+def _first_match(pattern: str) -> Path | None:
+    """The first folder (in name order) that the glob ``pattern`` (``~`` expanded) matches, if any."""
+    return next((Path(m) for m in sorted(glob.glob(os.path.expanduser(pattern))) if Path(m).is_dir()), None)
+
+
+def _text_folder(runner: StageRunner, name: str, root: Path, settings: MlaZeroSettings) -> Path:
+    """``root``'s documents tokenized with the source's tokenizer into a val split of ``text_tokens``."""
+
+    def build(out: Path) -> dict:
+        documents = text_documents(root)
+        if not documents:
+            raise ConfigError(f'bench mla-zero: no text files (.html, .txt, .md, .rst of 2,000+ characters) under '
+                              f'{root}')
+        corpus = out / 'corpus' / TEXT_DOMAIN
+        corpus.mkdir(parents=True, exist_ok=True)
+        with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
+            for text, meta in documents:
+                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+        manifest = prep_redpajama([out / 'corpus'], out / 'data', runner.source, seq_len=settings.text_seq_len,
+                                  val_tokens=settings.text_tokens, overwrite=True, domain=TEXT_DOMAIN,
+                                  progress=False)
+        for path in corpus.iterdir():
+            path.unlink()
+        return {'root': str(out / 'data'), 'source': str(root), 'documents': len(documents),
+                'val': manifest['domains'][TEXT_DOMAIN]['val']}
+
+    reads = {'root': str(root), 'files': sorted(str(p) for p in root.rglob('*') if p.is_file()),
+             'tokens': settings.text_tokens, 'seq_len': settings.text_seq_len}
+    return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
+
+
+# --- TransMLA, run from its own checkout ----------------------------------------------------------------------------
+def calibration_sequences(source: Path, data: Path, tokens: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The token rows the project's conversions calibrate on (``calibration.calibrate`` over
+    ``calibration_batches`` with the same data, batch size and seed: whole rows until ``tokens``)."""
+    from dha_train.calibration import calibration_batches
+
+    rows, count = [], 0
+    stream = calibration_batches(source, _config(source), data=str(data), split='train', batch_size=batch_size,
+                                 seed=seed, who='bench mla-zero')
+    try:
+        for batch in stream:
+            ids = batch['input_ids']
+            needed = -(-(tokens - count) // ids.shape[1])
+            rows.append(ids[:needed])
+            count += rows[-1].numel()
+            if count >= tokens:
+                break
+    finally:
+        stream.close()
+    if count < tokens:
+        raise ConfigError(f'bench mla-zero: the calibration data gave {count} tokens, fewer than {tokens}')
+    return torch.cat(rows)
+
+
+def check_transmla(checkout: Path) -> Path:
+    """The folder TransMLA's converter runs from (``<checkout>/transmla``, holding ``transmla/converter.py``)."""
+    for candidate in (checkout / 'transmla', checkout):
+        if (candidate / 'transmla' / 'converter.py').is_file():
+            return candidate
+    raise ConfigError(f'bench mla-zero: --transmla {checkout} is not a TransMLA checkout (no transmla/converter.py '
+                      'under it or its transmla/ folder)')
+
+
+def run_transmla(checkout: Path, python: str, source: Path, sequences: Path, out: Path, rank: int) -> None:
+    """TransMLA's ``converter.main`` in a subprocess (its modules import each other by bare name, and it copies
+    modeling files by paths relative to its folder), fed ``sequences`` as its calibration loader."""
+    folder = check_transmla(checkout)
+    program = f'''
+import argparse, sys, torch
+sys.path.insert(0, {str(folder / 'transmla')!r})
+import converter
+ids = torch.load({str(sequences)!r})
+batches = [{{'input_ids': ids[i:i + 8], 'attention_mask': torch.ones_like(ids[i:i + 8])}} for i in range(0, len(ids), 8)]
+converter.get_dataset_loader = lambda tokenizer, **kwargs: (batches, None)
+converter.main(argparse.Namespace(
+    model_path={str(source)!r}, save_path={str(out)!r}, dtype='fp32', device='cpu', cal_dataset='local',
+    cal_nsamples=len(ids), cal_batch_size=8, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
+    freqfold='{TRANSMLA_FREQFOLD}', collapse='auto', qk_mqa_dim={TRANSMLA_ROPE_DIM}, q_lora_rank=None,
+    kv_lora_rank={rank}, balance_kv_ratio=1.0, use_qkv_norm=False, deepseek_style=False))
+'''
+    done = subprocess.run([python, '-c', program], cwd=folder, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f'bench mla-zero: TransMLA\'s converter failed (exit {done.returncode}):\n'
+                           f'{done.stderr[-3000:]}')
+
+
+# --- the bench ----------------------------------------------------------------------------------------------------
+def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
+    settings = settings or MlaZeroSettings()
+    unknown = sorted(set(settings.rows) - set(ROWS)) + sorted(set(settings.budgets) - set(FRACTIONS))
+    if unknown or not settings.rows or not settings.budgets:
+        raise ConfigError(f'bench mla-zero: rows must be among {", ".join(ROWS)} and budgets among kv1, kv2; got '
+                          f'{list(settings.rows)} and {list(settings.budgets)}')
+    if settings.tokens < 1 or settings.limit < 1 or settings.text_tokens < settings.text_seq_len:
+        raise ConfigError('bench mla-zero: --tokens and --limit must be >= 1, --text-tokens at least one sequence')
+    transmla = Path(settings.transmla).resolve() if settings.transmla else None
+    if transmla is not None:
+        check_transmla(transmla)
+    real = resolve_settings(RealSettings(
+        out=settings.out, device=settings.device, source=settings.source, seed=settings.seed,
+        tasks=tuple(settings.tasks), limit=settings.limit, include=tuple(settings.include),
+        train_data=settings.train_data, seq_len=settings.seq_len, val_tokens=settings.val_tokens,
+        isolate_stages=settings.isolate_stages))
+    work = Path(real.out).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    source = _source(work, real.source)
+    digest = folder_digest(source)
+    train_data, heldout, data = _prepare_data(work, source, real, digest)
+    runner = StageRunner(real, work, source, digest, train_data, heldout)
+    runs = work / 'mla_zero'
+
+    validation_root = Path(settings.validation) if settings.validation else _first_match(VALIDATION_GLOB)
+    book_root = Path(settings.book) if settings.book else _first_match(DEFAULT_BOOK_GLOB)
+    texts = {'heldout_doc': heldout}
+    notes = {'heldout_doc': data['heldout']['source'], 'calibration': data['train']['source']}
+    for name, root, what in (('validation', validation_root, 'the text the DeepSeek defaults were chosen on'),
+                             ('heldout_book', book_root, 'a book, held out')):
+        if root is None or not Path(root).is_dir():
+            notes[name] = f'left out: no folder ({what}; give it with --{name.split("_")[-1]})'
+            continue
+        texts[name] = _text_folder(runner, name.replace('_', '-'), Path(root).resolve(), settings)
+        notes[name] = f'{root} ({what})'
+
+    config = _config(source)
+    kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
+    numbers = 2 * kv_heads * dim  # the source's cached numbers per token per layer
+    calibration = {'data': str(train_data), 'tokens': settings.tokens, 'batch_size': 8, 'seed': settings.seed,
+                   'device': real.device}
+
+    def conversion(row: str, budget: str):
+        fraction = FRACTIONS[budget]
+        heads = round(fraction * kv_heads)
+        if row == 'deepseek':
+            convert_settings = DeepseekSettings(cache_fraction=fraction, data=str(train_data), tokens=settings.tokens,
+                                                batch_size=8, seed=settings.seed, device=real.device)
+
+            def build(out: Path) -> dict:
+                report = convert_to_deepseek(source, out / 'hf', convert_settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'setting': {key: report[key] for key in (
+                    'kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'latent_norm_fit', 'balance')}}
+            return build, asdict(convert_settings)
+        if row == 'mla':
+            convert_settings = MlaSettings(cache_fraction=fraction, rope_pairs=default_rope_pairs(dim),
+                                           data=str(train_data), tokens=settings.tokens, rank_step=1,
+                                           seed=settings.seed, device=real.device)
+
+            def build(out: Path) -> dict:
+                report = convert_to_mla(source, out / 'hf', convert_settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'setting': {
+                    'rope_pairs': convert_settings.rope_pairs, 'latent_ranks': [min(report['ranks']),
+                                                                                max(report['ranks'])]}}
+            return build, asdict(convert_settings)
+        if row == 'mean_pool_refit':
+            refit_settings = RefitSettings(data=str(train_data), tokens=settings.tokens, seed=settings.seed,
+                                           device=real.device)
+
+            def build(out: Path) -> dict:
+                from dha_train.models.head_map import HeadMap
+
+                pooled = convert_checkpoint(source, out / 'pooled', HeadMap.pooled(runner.source_map, heads),
+                                            overwrite=True)
+                refit_folder(source, pooled, out / 'hf', refit_settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'setting': {'kv_heads': heads}}
+            return build, {'heads': heads, **asdict(refit_settings)}
+        rank = round(fraction * numbers) - TRANSMLA_ROPE_DIM
+
+        def build(out: Path) -> dict:
+            sequences = out / 'calibration.pt'
+            torch.save(calibration_sequences(source, train_data, settings.tokens, 8, settings.seed), sequences)
+            run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank)
+            return {'hf_folder': str(out / 'hf'), 'setting': {
+                'kv_lora_rank': rank, 'qk_rope_head_dim': TRANSMLA_ROPE_DIM, 'freq_fold': TRANSMLA_FREQFOLD,
+                'checkout': str(transmla)}}
+        return build, {'checkout': str(transmla), 'rank': rank, **calibration}
+
+    def score(label: str, folder: str) -> dict:
+        def build(out: Path) -> dict:
+            result = run_eval(folder, tasks=list(settings.tasks), num_fewshot=0, limit=settings.limit, out=out,
+                              include=list(settings.include),
+                              batch_size=real.eval_batch_size, device=real.device, name=label, seed=settings.seed)
+            model, tokenizer = load_model(folder, device=real.device)
+            losses = {name: validation_loss(model, tokenizer, root, batch_size=8, device=real.device)['mean']
+                      for name, root in texts.items()}
+            teacher, _ = load_model(source, device=real.device)
+            probe = _probe_batch(heldout)
+            errors = attention_output_errors(teacher, model, probe.to(real.device))
+            accuracy = {task: (headline(result['scores'].get(task, {})) or (None, None))[1] for task in settings.tasks}
+            return {'loss': losses, 'accuracy': accuracy, 'layer_errors': errors}
+        return runner.stage(runs / 'eval', re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-'), build,
+                            model=folder, texts={k: str(v) for k, v in texts.items()}, tasks=list(settings.tasks),
+                            include=list(map(str, settings.include)), limit=settings.limit)
+
+    results = {'source': {'folder': str(source), 'sha256': digest, 'cached_numbers_per_token_per_layer': numbers},
+               'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
+                                            'rows': list(settings.rows), 'tasks': list(settings.tasks)},
+               'rows': []}
+    teacher = score('teacher', str(source))
+    results['rows'].append({'label': 'teacher', 'row': 'teacher', 'budget': None, 'numbers': numbers, **teacher})
+    for budget in settings.budgets:
+        for row in settings.rows:
+            if row == 'transmla' and transmla is None:
+                results.setdefault('skipped', []).append({'row': row, 'budget': budget,
+                                                          'reason': 'no --transmla checkout given'})
+                continue
+            _say(f'mla-zero: {LABELS[row]} at {budget}')
+            started = time.perf_counter()
+            build, reads = conversion(row, budget)
+            converted = runner.stage(runs, f'{row}-{budget}', build, **reads)
+            scored = score(f'{LABELS[row]} {budget}', converted['hf_folder'])
+            results['rows'].append({'label': f'{LABELS[row]} {budget}', 'row': row, 'budget': budget,
+                                    'numbers': round(FRACTIONS[budget] * numbers), **converted['setting'],
+                                    'convert_s': converted['seconds'], **scored,
+                                    'wall_s': round(time.perf_counter() - started, 1)})
+            (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+    print_table(results)
+    print(f'  results.json in {runs}')
+    return results
+
+
+def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
+    """The first ``rows`` sequences of the held-out text's val split (for the per-layer errors)."""
+    from dha_train.data.loaders import split_sequences
+
+    manifest = json.loads((heldout / 'manifest.json').read_text())
+    domain = sorted(manifest['domains'])[0]
+    return torch.as_tensor(np.stack(split_sequences(heldout, domain, 'val')[:rows]), dtype=torch.long)
+
+
+def print_table(results: dict) -> None:
+    texts = [name for name in ('validation', 'heldout_doc', 'heldout_book')
+             if any(name in row['loss'] for row in results['rows'])]
+    tasks = list(results['settings']['tasks'])
+    print('| row | cached numbers per token per layer | ' + ' | '.join(f'loss: {t}' for t in texts) + ' | '
+          + ' | '.join(tasks) + ' | mean layer error |')
+    print('|' + ' --- |' * (3 + len(texts) + len(tasks)))
+    for row in results['rows']:
+        errors = row['layer_errors']
+        cells = [row['label'], str(row['numbers'])]
+        cells += [f"{row['loss'][t]:.3f}" if t in row['loss'] else '-' for t in texts]
+        cells += [f"{row['accuracy'][t]:.3f}" if row['accuracy'].get(t) is not None else '-' for t in tasks]
+        cells.append(f'{sum(errors) / len(errors):.3f}')
+        print('| ' + ' | '.join(cells) + ' |')
+    for skipped in results.get('skipped', []):
+        print(f"  skipped: {skipped['row']} at {skipped['budget']}: {skipped['reason']}")
