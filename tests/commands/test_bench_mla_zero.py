@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dha_train.commands.bench.real.mla_zero import (
     check_transmla,
     run_mla_zero_bench,
     text_documents,
+    text_files,
 )
 from dha_train.config import ConfigError
 from dha_train.evaluation import attention_output_errors
@@ -70,8 +72,14 @@ def test_text_documents_keep_visible_text_of_html_and_text_files(tmp_path):
     (tmp_path / 'notes.txt').write_text('plain text line\n' * 200)
     (tmp_path / 'short.md').write_text('too short')
     (tmp_path / 'code.py').write_text('x = 1\n' * 1000)
-    documents = dict((meta['path'].rsplit('/', 1)[1], text) for text, meta in text_documents(tmp_path))
+    (tmp_path / 'sub').mkdir()
+    (tmp_path / 'sub' / 'copy.txt').write_text('plain text line\n' * 200)  # the same text twice is kept once
+    found = text_documents(text_files(str(tmp_path)))
+    documents = dict((meta['path'].rsplit('/', 1)[1], text) for text, meta in found)
     assert sorted(documents) == ['ch01.html', 'notes.txt']
+    # a glob picks files: only the chapters
+    assert [meta['path'] for _, meta in text_documents(text_files(str(tmp_path / 'ch*.html')))] == [
+        str(tmp_path / 'ch01.html')]
     page = documents['ch01.html']
     assert 'Ownership rules & borrowing.' in page and 'fn main() {}' in page
     assert 'Menu' not in page and 'var x' not in page and '<p>' not in page
@@ -141,6 +149,8 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     # the three texts are three folders, and none is the calibration data
     texts = results['texts']
     assert str(tmp_path / 'book') in texts['heldout_book'] and str(tmp_path / 'validation') in texts['validation']
+    with pytest.raises(ConfigError, match='--book'):
+        run_mla_zero_bench(replace(settings, book=str(tmp_path / 'no-such-book')))
     # run again: every stage is reused, the figures are the same
     again = run_mla_zero_bench(settings)
     assert [row['loss'] for row in again['rows']] == [row['loss'] for row in results['rows']]

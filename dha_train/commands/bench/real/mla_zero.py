@@ -32,6 +32,7 @@ import glob
 import html
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -60,8 +61,10 @@ ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
           'transmla': 'TransMLA'}
 FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
-VALIDATION_GLOB = '/usr/share/vim/vim*/doc'
-DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book'
+# The texts as file globs: vim's help files; the Rust book's chapters (its one-page print.html, which repeats every
+# chapter, and its index pages left out).
+VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
+DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
 TEXT_DOMAIN = 'book'  # prep's label for a single-source folder (it needs one of the RedPajama names)
 TRANSMLA_ROPE_DIM = 64  # its qk_mqa_dim default: one 64-dim shared RoPE key
 TRANSMLA_FREQFOLD = 4  # what its scripts pass for LLaMA-family models
@@ -74,8 +77,8 @@ class MlaZeroSettings:
     rows: Sequence[str] = ROWS
     transmla: str | None = None  # a TransMLA checkout (the repository's root)
     transmla_python: str = sys.executable
-    book: str | None = None  # a folder of HTML / text files (default: rustup's Rust book when present)
-    validation: str | None = None  # default: vim's help files
+    book: str | None = None  # a folder or a glob of HTML / text files (default: the Rust book's chapters, if present)
+    validation: str | None = None  # a folder or a glob (default: vim's help files)
     tokens: int = 16384  # calibration tokens of every row
     text_tokens: int = 8192  # tokens scored on the validation text and the book
     text_seq_len: int = 512
@@ -118,10 +121,19 @@ class _VisibleText(HTMLParser):
             self.parts.append(data)
 
 
-def text_documents(root: Path, min_chars: int = 2000) -> list[tuple[str, dict]]:
-    """Every HTML (visible text), .txt, .md or .rst file under ``root`` of at least ``min_chars``, in path order."""
-    documents = []
-    for path in sorted(p for p in root.rglob('*') if p.is_file()):
+def text_files(where: str) -> list[Path]:
+    """The files a text is made of: every file under a folder, or the files a glob (``~`` expanded) matches."""
+    where = os.path.expanduser(where)
+    if Path(where).is_dir():
+        return sorted(p for p in Path(where).rglob('*') if p.is_file())
+    return sorted(Path(p) for p in glob.glob(where) if Path(p).is_file())
+
+
+def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
+    """The visible text of every HTML file and the text of every .txt, .md or .rst file of at least ``min_chars``,
+    deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
+    documents, seen = [], set()
+    for path in files:
         suffix = path.suffix.lower()
         if suffix not in ('.html', '.htm', '.txt', '.md', '.rst'):
             continue
@@ -134,24 +146,21 @@ def text_documents(root: Path, min_chars: int = 2000) -> list[tuple[str, dict]]:
             parser.feed(raw)
             raw = html.unescape(''.join(parser.parts))
         text = re.sub(r'\n\s*\n+', '\n\n', raw).strip()
-        if len(text) >= min_chars:
+        if len(text) >= min_chars and text not in seen:
+            seen.add(text)
             documents.append((text, {'path': str(path)}))
+    random.Random(seed).shuffle(documents)
     return documents
 
 
-def _first_match(pattern: str) -> Path | None:
-    """The first folder (in name order) that the glob ``pattern`` (``~`` expanded) matches, if any."""
-    return next((Path(m) for m in sorted(glob.glob(os.path.expanduser(pattern))) if Path(m).is_dir()), None)
-
-
-def _text_folder(runner: StageRunner, name: str, root: Path, settings: MlaZeroSettings) -> Path:
-    """``root``'s documents tokenized with the source's tokenizer into a val split of ``text_tokens``."""
+def _text_folder(runner: StageRunner, name: str, where: str, files: list[Path], settings: MlaZeroSettings) -> Path:
+    """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``text_tokens``."""
 
     def build(out: Path) -> dict:
-        documents = text_documents(root)
+        documents = text_documents(files, seed=settings.seed)
         if not documents:
-            raise ConfigError(f'bench mla-zero: no text files (.html, .txt, .md, .rst of 2,000+ characters) under '
-                              f'{root}')
+            raise ConfigError(f'bench mla-zero: no text (.html, .txt, .md, .rst files of 2,000+ characters) in '
+                              f'{where}')
         corpus = out / 'corpus' / TEXT_DOMAIN
         corpus.mkdir(parents=True, exist_ok=True)
         with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
@@ -162,11 +171,11 @@ def _text_folder(runner: StageRunner, name: str, root: Path, settings: MlaZeroSe
                                   progress=False)
         for path in corpus.iterdir():
             path.unlink()
-        return {'root': str(out / 'data'), 'source': str(root), 'documents': len(documents),
+        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents),
                 'val': manifest['domains'][TEXT_DOMAIN]['val']}
 
-    reads = {'root': str(root), 'files': sorted(str(p) for p in root.rglob('*') if p.is_file()),
-             'tokens': settings.text_tokens, 'seq_len': settings.text_seq_len}
+    reads = {'where': where, 'files': [str(p) for p in files], 'tokens': settings.text_tokens,
+             'seq_len': settings.text_seq_len, 'seed': settings.seed}
     return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
 
 
@@ -251,17 +260,19 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     runner = StageRunner(real, work, source, digest, train_data, heldout)
     runs = work / 'mla_zero'
 
-    validation_root = Path(settings.validation) if settings.validation else _first_match(VALIDATION_GLOB)
-    book_root = Path(settings.book) if settings.book else _first_match(DEFAULT_BOOK_GLOB)
     texts = {'heldout_doc': heldout}
     notes = {'heldout_doc': data['heldout']['source'], 'calibration': data['train']['source']}
-    for name, root, what in (('validation', validation_root, 'the text the DeepSeek defaults were chosen on'),
-                             ('heldout_book', book_root, 'a book, held out')):
-        if root is None or not Path(root).is_dir():
-            notes[name] = f'left out: no folder ({what}; give it with --{name.split("_")[-1]})'
+    for name, given, default, what in (
+            ('validation', settings.validation, VALIDATION_GLOB, 'the text the DeepSeek defaults were chosen on'),
+            ('heldout_book', settings.book, DEFAULT_BOOK_GLOB, 'a book, held out')):
+        files = text_files(given or default)
+        if not files:
+            if given:
+                raise ConfigError(f'bench mla-zero: --{name.split("_")[-1]} {given}: no such folder or files')
+            notes[name] = f'left out: nothing at {default} ({what}; give it with --{name.split("_")[-1]})'
             continue
-        texts[name] = _text_folder(runner, name.replace('_', '-'), Path(root).resolve(), settings)
-        notes[name] = f'{root} ({what})'
+        texts[name] = _text_folder(runner, name.replace('_', '-'), given or default, files, settings)
+        notes[name] = f'{given or default} ({what})'
 
     config = _config(source)
     kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
@@ -370,19 +381,29 @@ def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
     return torch.as_tensor(np.stack(split_sequences(heldout, domain, 'val')[:rows]), dtype=torch.long)
 
 
-def print_table(results: dict) -> None:
-    texts = [name for name in ('validation', 'heldout_doc', 'heldout_book')
-             if any(name in row['loss'] for row in results['rows'])]
+TEXT_COLUMNS = {'validation': 'validation (vim)', 'heldout_doc': 'held-out /usr/share/doc',
+                'heldout_book': 'held-out book'}
+
+
+def markdown_table(results: dict) -> str:
+    """The results as the docs quote them (``tests/test_figures.py`` checks the docs' copy against the results)."""
+    texts = [name for name in TEXT_COLUMNS if any(name in row['loss'] for row in results['rows'])]
     tasks = list(results['settings']['tasks'])
-    print('| row | cached numbers per token per layer | ' + ' | '.join(f'loss: {t}' for t in texts) + ' | '
-          + ' | '.join(tasks) + ' | mean layer error |')
-    print('|' + ' --- |' * (3 + len(texts) + len(tasks)))
+    lines = ['| row | cached numbers / token / layer | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts) + ' | '
+             + ' | '.join(tasks) + ' | mean layer error | worst layer |',
+             '|' + ' --- |' * (4 + len(texts) + len(tasks))]
     for row in results['rows']:
         errors = row['layer_errors']
+        worst = max(range(len(errors)), key=errors.__getitem__)
         cells = [row['label'], str(row['numbers'])]
         cells += [f"{row['loss'][t]:.3f}" if t in row['loss'] else '-' for t in texts]
         cells += [f"{row['accuracy'][t]:.3f}" if row['accuracy'].get(t) is not None else '-' for t in tasks]
-        cells.append(f'{sum(errors) / len(errors):.3f}')
-        print('| ' + ' | '.join(cells) + ' |')
+        cells += [f'{sum(errors) / len(errors):.3f}', f'{worst} ({errors[worst]:.3f})']
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def print_table(results: dict) -> None:
+    print(markdown_table(results))
     for skipped in results.get('skipped', []):
         print(f"  skipped: {skipped['row']} at {skipped['budget']}: {skipped['reason']}")
