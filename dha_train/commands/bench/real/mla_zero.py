@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -68,6 +69,7 @@ DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
 TEXT_DOMAIN = 'book'  # prep's label for a single-source folder (it needs one of the RedPajama names)
 TRANSMLA_ROPE_DIM = 64  # its qk_mqa_dim default: one 64-dim shared RoPE key
 TRANSMLA_FREQFOLD = 4  # what its scripts pass for LLaMA-family models
+CALIBRATION_BATCH = 8  # rows per calibration batch, for every row (TransMLA's loader included)
 
 
 @dataclass
@@ -169,8 +171,7 @@ def _text_folder(runner: StageRunner, name: str, where: str, files: list[Path], 
         manifest = prep_redpajama([out / 'corpus'], out / 'data', runner.source, seq_len=settings.text_seq_len,
                                   val_tokens=settings.text_tokens, overwrite=True, domain=TEXT_DOMAIN,
                                   progress=False)
-        for path in corpus.iterdir():
-            path.unlink()
+        shutil.rmtree(out / 'corpus')
         return {'root': str(out / 'data'), 'source': where, 'documents': len(documents),
                 'val': manifest['domains'][TEXT_DOMAIN]['val']}
 
@@ -221,11 +222,12 @@ import argparse, sys, torch
 sys.path.insert(0, {str(folder / 'transmla')!r})
 import converter
 ids = torch.load({str(sequences)!r})
-batches = [{{'input_ids': ids[i:i + 8], 'attention_mask': torch.ones_like(ids[i:i + 8])}} for i in range(0, len(ids), 8)]
+step = {CALIBRATION_BATCH}
+batches = [{{'input_ids': ids[i:i + step], 'attention_mask': torch.ones_like(ids[i:i + step])}} for i in range(0, len(ids), step)]
 converter.get_dataset_loader = lambda tokenizer, **kwargs: (batches, None)
 converter.main(argparse.Namespace(
     model_path={str(source)!r}, save_path={str(out)!r}, dtype='fp32', device='cpu', cal_dataset='local',
-    cal_nsamples=len(ids), cal_batch_size=8, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
+    cal_nsamples=len(ids), cal_batch_size=step, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
     freqfold='{TRANSMLA_FREQFOLD}', collapse='auto', qk_mqa_dim={TRANSMLA_ROPE_DIM}, q_lora_rank=None,
     kv_lora_rank={rank}, balance_kv_ratio=1.0, use_qkv_norm=False, deepseek_style=False))
 '''
@@ -277,15 +279,15 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     config = _config(source)
     kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
     numbers = 2 * kv_heads * dim  # the source's cached numbers per token per layer
-    calibration = {'data': str(train_data), 'tokens': settings.tokens, 'batch_size': 8, 'seed': settings.seed,
-                   'device': real.device}
+    calibration = {'data': str(train_data), 'tokens': settings.tokens, 'batch_size': CALIBRATION_BATCH,
+                   'seed': settings.seed, 'device': real.device}
 
     def conversion(row: str, budget: str):
         fraction = FRACTIONS[budget]
         heads = round(fraction * kv_heads)
         if row == 'deepseek':
             convert_settings = DeepseekSettings(cache_fraction=fraction, data=str(train_data), tokens=settings.tokens,
-                                                batch_size=8, seed=settings.seed, device=real.device)
+                                                batch_size=CALIBRATION_BATCH, seed=settings.seed, device=real.device)
 
             def build(out: Path) -> dict:
                 report = convert_to_deepseek(source, out / 'hf', convert_settings, overwrite=True)
@@ -319,7 +321,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
 
         def build(out: Path) -> dict:
             sequences = out / 'calibration.pt'
-            torch.save(calibration_sequences(source, train_data, settings.tokens, 8, settings.seed), sequences)
+            rows = calibration_sequences(source, train_data, settings.tokens, CALIBRATION_BATCH, settings.seed)
+            torch.save(rows, sequences)
             run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank)
             return {'hf_folder': str(out / 'hf'), 'setting': {
                 'kv_lora_rank': rank, 'qk_rope_head_dim': TRANSMLA_ROPE_DIM, 'freq_fold': TRANSMLA_FREQFOLD,
@@ -347,6 +350,10 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
                                             'rows': list(settings.rows), 'tasks': list(settings.tasks)},
                'rows': []}
+    def save() -> None:  # after every row, so a stopped run leaves what it measured
+        runs.mkdir(parents=True, exist_ok=True)
+        (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+
     teacher = score('teacher', str(source))
     results['rows'].append({'label': 'teacher', 'row': 'teacher', 'budget': None, 'numbers': numbers, **teacher})
     for budget in settings.budgets:
@@ -364,9 +371,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                                     'numbers': round(FRACTIONS[budget] * numbers), **converted['setting'],
                                     'convert_s': converted['seconds'], **scored,
                                     'wall_s': round(time.perf_counter() - started, 1)})
-            (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
-    runs.mkdir(parents=True, exist_ok=True)
-    (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+            save()
+    save()
     print_table(results)
     print(f'  results.json in {runs}')
     return results
