@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
 from dha_train.distributed import causal_lm_on_meta
 from dha_train.model_folders import check_model_folder
 from dha_train.models.llama_layout import is_decoder_block
+from dha_train.ops.deepseek import latent_eps_scale, latent_training_eps
 
 
 def build_llama_config(cfg: ModelConfig):
@@ -64,11 +66,50 @@ def build_llama(cfg: ModelConfig, on_meta_device: bool = False):
                                                      local_files_only=True, torch_dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(llama_config, torch_dtype=torch.float32)
+    if llama_config.model_type == 'deepseek_v3' and cfg.pretrained_path is not None:
+        latent_in_training_form(model, Path(cfg.pretrained_path), on_meta_device)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
     # FSDP2 shards each decoder layer as its own unit (and the rest of the model as the root unit).
     model.fsdp_wrap_fn = is_decoder_block
     return model
+
+
+def _folder_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Named tensors read from a folder's safetensors (one file or an index's shards), not the whole model."""
+    from safetensors import safe_open
+
+    index = folder / 'model.safetensors.index.json'
+    where = (json.loads(index.read_text())['weight_map'] if index.is_file()
+             else dict.fromkeys(names, 'model.safetensors'))
+    tensors = {}
+    for file in sorted({where[name] for name in names}):
+        with safe_open(folder / file, framework='pt') as handle:
+            tensors.update({name: handle.get_tensor(name) for name in names if where[name] == file})
+    return tensors
+
+
+def latent_in_training_form(model, folder: Path, on_meta_device: bool) -> None:
+    """A DeepSeek-format model to the form it trains in: each layer's latent norm at
+    ``ops.deepseek.latent_training_eps`` and its latent rows scaled to match (the same function), the eps recorded
+    in the config (``methods.LATENT_TRAINING_EPS``) and the model tagged, so that ``export`` scales them back.
+    Ranks that build on the meta device read the rows from the folder, so every rank sets the same eps."""
+    rank = model.config.kv_lora_rank
+    names = [f'model.layers.{index}.self_attn.kv_a_proj_with_mqa.weight'
+             for index in range(model.config.num_hidden_layers)]
+    stored = _folder_tensors(folder, names) if on_meta_device else None
+    training_eps = []
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        weight = stored[names[index]] if on_meta_device else attention.kv_a_proj_with_mqa.weight.detach()
+        eps = latent_training_eps(weight, rank)
+        if not on_meta_device:
+            with torch.no_grad():
+                attention.kv_a_proj_with_mqa.weight[:rank] *= latent_eps_scale(eps)
+        attention.kv_a_layernorm.variance_epsilon = eps
+        training_eps.append(eps)
+    setattr(model.config, methods.LATENT_TRAINING_EPS, training_eps)
+    methods.tag_method(model.config, 'mla_deepseek')
 
 
 def wrap_composer(model, tokenizer=None) -> HuggingFaceModel:

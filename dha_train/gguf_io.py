@@ -60,7 +60,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -79,7 +78,7 @@ from dha_train.model_card import KV_TOKENS, card_stage, read_model_card, write_m
 from dha_train.model_folders import check_model_folder, file_sha256
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
-from dha_train.ops.deepseek import LATENT_NORM_EPS
+from dha_train.ops.deepseek import latent_eps_scale
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
 # ---- import: a GGUF file as a HF folder ----
@@ -395,12 +394,6 @@ def _mlp_tensors(weights: _Weights, prefix: str, block: str) -> Iterator[tuple[s
     yield block + 'ffn_gate.weight', weights.get(prefix + 'mlp.gate_proj.weight')
     yield block + 'ffn_up.weight', weights.get(prefix + 'mlp.up_proj.weight')
     yield block + 'ffn_down.weight', weights.get(prefix + 'mlp.down_proj.weight')
-
-
-def latent_eps_scale(rms_norm_eps: float, latent_eps: float = LATENT_NORM_EPS) -> float:
-    """The factor on the latent rows that makes an RMSNorm with ``rms_norm_eps`` give what one with ``latent_eps``
-    gives on the unscaled latent (see the module docstring)."""
-    return math.sqrt(rms_norm_eps / latent_eps)
 
 
 def _deepseek_tensors(config, weights: _Weights) -> Iterator[tuple[str, torch.Tensor]]:

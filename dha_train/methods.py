@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 from dha_train.errors import DhaTrainError
@@ -29,6 +30,7 @@ from dha_train.models.llama_layout import head_dim
 from dha_train.models.modeling_dha import DhaLlamaConfig
 from dha_train.models.modeling_moh import MohLlamaConfig
 from dha_train.models.transfer import transfer_to_gqa_state_dict
+from dha_train.ops.deepseek import LATENT_NORM_EPS, latent_eps_scale
 from dha_train.ops.fusion import bake_llama_state_dict
 from dha_train.ops.mla import cache_values_per_token
 
@@ -36,6 +38,9 @@ from dha_train.ops.mla import cache_values_per_token
 # each decoder layer): every export drops their weights, so the exported model is the converted one alone.
 TRAINING_ONLY_MODULES = ('transfer_source',)
 METHOD_TAG = 'dha_train_method'  # HF config attribute naming the method whose surgery a checkpoint holds
+# HF config attribute of a DeepSeek-format model in training: each layer's latent norm eps
+# (``ops.deepseek.latent_training_eps``); the export scales the latent rows back to transformers' own eps
+LATENT_TRAINING_EPS = 'dha_latent_norm_eps'
 BASE_MODEL_TYPE = 'llama'
 
 Weights = dict
@@ -203,6 +208,25 @@ def _deepseek_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
     return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * seq_len * bytes_per_value
 
 
+def _deepseek_engine_form(config, weights):
+    """A DeepSeek-format model trained at its training eps (``builders``, ``ops.deepseek.latent_training_eps``)
+    -> the same function at transformers' own latent norm eps: each layer's latent rows scaled back."""
+    training_eps = getattr(config, LATENT_TRAINING_EPS, None)
+    if training_eps is None:
+        return config, weights
+    if len(training_eps) != config.num_hidden_layers:
+        raise ValueError(f'{LATENT_TRAINING_EPS} has {len(training_eps)} layers, the model {config.num_hidden_layers}')
+    weights = dict(weights)
+    for index, eps in enumerate(training_eps):
+        name = f'model.layers.{index}.self_attn.kv_a_proj_with_mqa.weight'
+        down = weights[name]
+        scale = latent_eps_scale(LATENT_NORM_EPS, eps)
+        weights[name] = torch.cat([down[:config.kv_lora_rank] * scale, down[config.kv_lora_rank:]])
+    delattr(config, LATENT_TRAINING_EPS)
+    return config, weights
+
+
 register(Method('mla_deepseek', 'MLA in DeepSeek\'s format (`dha-train convert --method mla --format deepseek`): a '
-                'shared RoPE key and a normed latent, served by transformers\' own DeepseekV3ForCausalLM',
-                model_type='deepseek_v3', kv_cache_bytes=_deepseek_kv_cache_bytes))
+                'shared RoPE key and a normed latent, served by transformers\' own DeepseekV3ForCausalLM; trained '
+                'at a latent norm eps that puts the latent rows at the scale of the others (builders)',
+                model_type='deepseek_v3', export=_deepseek_engine_form, kv_cache_bytes=_deepseek_kv_cache_bytes))

@@ -68,14 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mla.add_argument('--factorisation', choices=FACTORISATIONS, default=None,
                      help='activation: SVD whitened by the calibration covariance (default); weight: plain SVD')
     mla.add_argument('--latent-norm-fit', dest='latent_norm_fit', choices=LATENT_NORM_FITS, default=None,
-                     help='deepseek: how kv_b_proj meets the latent RMSNorm: regression (least squares on the '
-                          'normed latent over the calibration tokens, default) or scalar (the mean RMS)')
+                     help='deepseek: how the latent meets its RMSNorm: linear (the latent scaled into the norm\'s '
+                          'linear range, where it is exact; default), regression (kv_b_proj fitted by least squares on '
+                          'the normed latent over the calibration tokens) or scalar (the mean RMS)')
     mla.add_argument('--freq-fold', dest='freq_fold', type=int, default=None,
                      help='deepseek: this many consecutive slots of the shared RoPE key share one analysis of every '
                           'source pair their frequencies span (FreqFold; default 2; 1: each slot its own pair)')
     mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
-                     help='deepseek: no pin channel (by default, each layer where it lowers the held-out error gets '
-                          'one latent channel that holds the latent\'s RMS near-constant)')
+                     help='deepseek, with --latent-norm-fit regression or scalar: no pin channel (by default, each '
+                          'layer where it lowers the held-out error gets one latent channel that holds the latent\'s '
+                          'RMS near-constant)')
     mla.add_argument('--balance', choices=BALANCES, default=None,
                      help=f'scale the keys against the values before the joint factorisation (default '
                           f'{defaults.balance}): energy (equal total '
@@ -146,12 +148,16 @@ def run_deepseek(args: argparse.Namespace) -> int:
         raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
                           'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
     settings = DeepseekSettings(cache_fraction=args.cache_fraction, **_given(args, (*_MLA_SHARED, *_DEEPSEEK_ONLY)))
+    if args.pin is not None and settings.latent_norm_fit == 'linear':
+        raise ConfigError('convert --format deepseek: --no-latent-pin applies to --latent-norm-fit regression or '
+                          'scalar; the linear fit (the default) has no pin channel')
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
+    pins = ('the latent in the norm\'s linear range' if settings.latent_norm_fit == 'linear' else
+            f'a pin channel in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers')
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '
           f'{report["rope_pairs"]}, fold {report["freq_fold"]} ({report["rope_energy_kept"]:.1%} of the key energy '
-          f'kept rotated), a pin channel '
-          f'in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers, '
+          f'kept rotated), {pins}, '
           f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
           f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')
     if note := missing_tokenizer_note(args.out_dir, args.model_dir):

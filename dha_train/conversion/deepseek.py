@@ -54,8 +54,12 @@ class DeepseekSettings:
     rope_pairs: int | None = None
     # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
     freq_fold: int = DEFAULT_FREQ_FOLD
-    latent_norm_fit: str = 'regression'  # regression (kv_b regressed on the normed latent) or scalar
-    pin: bool = True  # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error
+    # linear (the latent scaled into the norm's linear range), regression (kv_b regressed on the normed latent) or
+    # scalar (the mean RMS); ops.deepseek
+    latent_norm_fit: str = 'linear'
+    # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error; with the regression
+    # and scalar fits only (the linear range needs none)
+    pin: bool = True
     balance: str = 'energy'
     data: str | None = None
     split: str = 'train'
@@ -124,15 +128,18 @@ def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Con
 def _fitted(attention, config, mix: torch.Tensor, rank: int,
             covariance: torch.Tensor | None, balance: str, fit: str | None, inputs: torch.Tensor | None,
             pin: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(``ops.deepseek.deepseek_attention_weights``, the rows ``kv_b`` maps the normed latent with) in float64."""
+    """(``ops.deepseek.deepseek_attention_weights`` with its latent rows as the fit leaves them, the rows ``kv_b``
+    maps the normed latent with) in float64."""
     dim, heads, kv_heads = head_dim(config), config.num_attention_heads, config.num_key_value_heads
     weights = deepseek_attention_weights(attention.q_proj.weight.detach(), attention.k_proj.weight.detach(),
                                          attention.v_proj.weight.detach(), heads, kv_heads, dim, mix,
                                          rank, covariance, balance, inputs if pin else None)
     if fit is None:
         return weights, weights['up']
-    return weights, latent_norm_fit(fit, weights['up'], weights['kv_a_proj_with_mqa.weight'][:rank],
-                                    weights['targets'], inputs)
+    down, rows = latent_norm_fit(fit, weights['up'], weights['kv_a_proj_with_mqa.weight'][:rank],
+                                 weights['targets'], inputs)
+    weights['kv_a_proj_with_mqa.weight'] = torch.cat([down, weights['kv_a_proj_with_mqa.weight'][rank:]])
+    return weights, rows
 
 
 def pin_helps(attention, config, mix: torch.Tensor, rank: int, covariance: torch.Tensor,
@@ -231,7 +238,7 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     for index, attention in enumerate(layers):
         inputs = calibration.layer(index, 'input').sample.double().cpu()
         pin = False
-        if settings.pin:
+        if settings.pin and settings.latent_norm_fit != 'linear':
             pin, errors = pin_helps(attention, config, mixes[index], rank, covariances[index],
                                     settings.balance, settings.latent_norm_fit, inputs)
             pin_errors.append({'unpinned': errors[False], 'pinned': errors[True]})

@@ -48,6 +48,18 @@ this is the one approximation the format forces on every source. Two things boun
 - ``kv_b`` is then ``up * E[rms(c)]`` (``scalar``: right on average) or the least-squares regression of the
   source's position-free keys and values on ``n`` over calibration tokens (``regression``, a closed-form refit).
 
+**The norm's linear range** (``linear``, the default fit) removes the approximation instead of bounding it. The norm
+is ``c / sqrt(mean(c^2) + eps)``: where ``mean(c^2)`` is small against ``eps`` it is ``c / sqrt(eps)``, linear.
+So the latent rows are scaled by ``s`` so that, over the calibration tokens, ``mean(c^2)`` averages
+``LINEAR_RANGE * eps``, and ``kv_b`` is ``up / s`` times the mean of ``sqrt(mean((s c)^2) + eps)``: a token's keys
+and values are then off by ``1 - sqrt((1 + LINEAR_RANGE) / (1 + r LINEAR_RANGE))`` for a token at ``r`` times the
+mean square (under 1% at twice it), and a token far outside the calibration range is bounded, not blown up: its
+normed latent has an RMS of at most 1 where the typical one has ``sqrt(LINEAR_RANGE)``. No pin channel is needed and
+every latent dim carries keys and values. On SmolLM2-135M at a third of its cache this takes the 0-token held-out
+loss on the Rust book from 5.240 (regression with pins) to 3.952, where the latent with no norm at all scores 3.952
+(docs/methods/mla.md). The latent is small (RMS ``sqrt(LINEAR_RANGE * eps)``, about 1e-4): exact in float32 and
+bfloat16, whose exponents reach far below it, and in llama.cpp's f16 and q8_0 files (``gguf_io``).
+
 **Scale.** The class scales scores by ``(d + 2p)^-0.5``; the queries are multiplied by ``sqrt((d + 2p) / d)`` so the
 scores keep the source's ``d^-0.5``.
 
@@ -64,7 +76,11 @@ import torch
 
 from dha_train.ops.mla import balance_scales, latent_factors
 
-LATENT_NORM_FITS = ('regression', 'scalar')
+LATENT_NORM_FITS = ('linear', 'regression', 'scalar')
+# the latent's mean square over the norm's eps, averaged over calibration tokens, under the ``linear`` fit: chosen
+# on the validation text (docs/methods/mla.md); smaller is more linear, larger keeps the latent further from
+# float16's subnormals in llama.cpp's files
+LINEAR_RANGE = 0.01
 PIN_DOMINANCE = 30.0  # the pin channel's mean over the RMS of the other latent rows: the latent RMS varies < 0.1%
 LATENT_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 
@@ -207,27 +223,63 @@ def deepseek_attention_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, v
     return {'q_proj.weight': q_proj, 'kv_a_proj_with_mqa.weight': kv_a, 'up': up, 'targets': targets}
 
 
+def latent_eps_scale(to_eps: float, from_eps: float = LATENT_NORM_EPS) -> float:
+    """The factor ``s`` on the latent rows under which an RMSNorm with ``to_eps`` gives what one with ``from_eps``
+    gives on the unscaled latent: ``s c / sqrt(mean((s c)^2) + to_eps) = c / sqrt(mean(c^2) + from_eps)`` for
+    ``s = sqrt(to_eps / from_eps)``, exactly (engines' own eps, and the training form below)."""
+    return math.sqrt(to_eps / from_eps)
+
+
+def latent_training_eps(kv_a_weight: torch.Tensor, rank: int) -> float:
+    """The latent norm's eps for training a layer whose ``kv_a_proj_with_mqa.weight`` has the latent in its first
+    ``rank`` rows: the eps under which those rows, scaled by ``latent_eps_scale(eps)``, have the RMS of the RoPE
+    rows below them, so the model computes the same function. Why: a latent in the norm's linear range has rows a
+    few thousand times smaller than the others, and an Adam step moves every weight by about the learning rate
+    whatever its size, which would throw the latent out of that range at the first step; at the training eps the
+    rows train at the scale of every other weight. ``LATENT_NORM_EPS`` when either part is zero."""
+    weight = kv_a_weight.double()
+    latent, rope = weight[:rank].pow(2).mean().sqrt(), weight[rank:].pow(2).mean().sqrt()
+    if float(latent) == 0.0 or weight.shape[0] <= rank or float(rope) == 0.0:
+        return LATENT_NORM_EPS
+    return LATENT_NORM_EPS * float(rope / latent) ** 2
+
+
 def rms_normed(latent: torch.Tensor, eps: float = LATENT_NORM_EPS) -> torch.Tensor:
     """``c / sqrt(mean(c^2) + eps)`` per token (row): the latent norm with weight 1."""
     return latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def linear_range_scale(down: torch.Tensor, inputs: torch.Tensor, eps: float = LATENT_NORM_EPS) -> float:
+    """The factor ``s`` on the latent rows ``down`` (x hidden) that puts the mean over the sampled attention inputs
+    (tokens, hidden) of ``mean((s c)^2)`` at ``LINEAR_RANGE * eps``: the norm's linear range."""
+    mean_square = float((inputs.double() @ down.double().T).pow(2).mean())
+    if mean_square <= 0:
+        raise ValueError('the latent is zero on every calibration token; nothing to scale into the norm')
+    return math.sqrt(LINEAR_RANGE * eps / mean_square)
+
+
 def latent_norm_fit(fit: str, up: torch.Tensor, down: torch.Tensor, targets: torch.Tensor,
-                    inputs: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
-    """The rows ``kv_b`` maps the normed latent with (one per row of ``up``, x rank), from sampled attention inputs
-    (tokens, hidden): ``scalar``: ``up * mean_t rms(c_t)``; ``regression``: ``argmin sum_t ||targets x_t - B n_t||^2``
-    (ridge relative to the mean eigenvalue, for rank-deficient samples)."""
+                    inputs: torch.Tensor, ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the latent rows, the rows ``kv_b`` maps the normed latent with: one per row of ``up``, x rank), from sampled
+    attention inputs (tokens, hidden): ``linear``: ``down`` scaled into the norm's linear range
+    (``linear_range_scale``), then ``scalar`` on it; ``scalar``: ``down``, ``up * mean_t rms(c_t)``;
+    ``regression``: ``down``, ``argmin sum_t ||targets x_t - B n_t||^2`` (ridge relative to the mean eigenvalue, for
+    rank-deficient samples)."""
     if fit not in LATENT_NORM_FITS:
         raise ValueError(f'latent norm fit must be one of {", ".join(LATENT_NORM_FITS)}, got {fit!r}')
-    latent = inputs.double() @ down.double().T                                  # (tokens, rank)
-    if fit == 'scalar':
+    down, up = down.double(), up.double()
+    if fit == 'linear':
+        scale = linear_range_scale(down, inputs)
+        down, up = down * scale, up / scale
+    latent = inputs.double() @ down.T                                           # (tokens, rank)
+    if fit in ('linear', 'scalar'):
         rms = latent.pow(2).mean(-1).add(LATENT_NORM_EPS).sqrt().mean()
-        return up.double() * rms
+        return down, up * rms
     normed = rms_normed(latent)
     gram = normed.T @ normed
     gram = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
     cross = (inputs.double() @ targets.double().T).T @ normed                    # (rows, rank)
-    return torch.linalg.solve(gram, cross.T).T
+    return down, torch.linalg.solve(gram, cross.T).T
 
 
 def normed_latent_error(targets: torch.Tensor, down: torch.Tensor, rows: torch.Tensor, inputs: torch.Tensor) -> float:

@@ -71,9 +71,9 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
                                                                                            data_root, capsys):
     """A third of the cache in DeepSeek's format: transformers' DeepseekV3ForCausalLM loads it with no code in the
     folder; the latent plus the shared RoPE key hold the budget; cached greedy decoding equals the uncached argmax,
-    with either fit of the latent norm."""
+    with every fit of the latent norm."""
     ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(5))
-    for fit in ('scalar', 'regression'):
+    for fit in ('linear', 'scalar', 'regression'):
         out = tmp_path / fit
         assert main(['convert', str(gqa_source), str(out), '--method', 'mla', '--format', 'deepseek',
                      '--cache-fraction', '0.3333', '--rope-pairs', '1', '--latent-norm-fit', fit,
@@ -118,6 +118,8 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
     (['--method', 'mla', '--cache-fraction', '0.5', '--latent-norm-fit', 'scalar', '--no-latent-pin'],
      '--latent-norm-fit, --no-latent-pin apply only to --format deepseek'),
     (['--method', 'mla', '--cache-fraction', '0.5', '--freq-fold', '2'], '--freq-fold apply only to --format deepseek'),
+    (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--no-latent-pin', '--data', 'x'],
+     '--no-latent-pin applies to --latent-norm-fit regression or scalar'),
     (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--freq-fold', '0', '--data', 'x'],
      '--freq-fold must be at least 1'),
 ])

@@ -49,6 +49,38 @@ def test_heal_sh_refuses_refit_options_for_a_deepseek_folder_before_any_run(deep
     assert not (tmp_path / 'heal').exists()
 
 
+def test_a_deepseek_folder_trains_at_an_eps_that_scales_its_latent_like_its_other_rows_and_exports_back(
+        deepseek_export):
+    """The conversion's latent sits in the norm's linear range, rows thousands of times smaller than the RoPE rows
+    (an Adam step would throw it out of that range). The run's model is the same function with the latent rows at
+    the RoPE rows' RMS and the latent norm at the matching eps; a rank on the meta device sets the same eps from the
+    folder; the export gives back the folder's weights and a config without the training eps."""
+    from dha_train.builders import build_llama
+    from dha_train.config import ModelConfig
+    from dha_train.methods import LATENT_TRAINING_EPS, METHOD_TAG, export_model
+
+    _, converted = deepseek_export
+    folder_model = AutoModelForCausalLM.from_pretrained(converted, torch_dtype=torch.float32).eval()
+    model = build_llama(ModelConfig(pretrained_path=str(converted))).eval()
+    meta = build_llama(ModelConfig(pretrained_path=str(converted)), on_meta_device=True)
+    rank = model.config.kv_lora_rank
+    for before, layer in zip(folder_model.model.layers, model.model.layers):
+        start, trained = before.self_attn.kv_a_proj_with_mqa.weight, layer.self_attn.kv_a_proj_with_mqa.weight
+        assert start[:rank].pow(2).mean().sqrt() < 1e-2 * start[rank:].pow(2).mean().sqrt()  # the linear range
+        torch.testing.assert_close(trained[:rank].pow(2).mean().sqrt(), trained[rank:].pow(2).mean().sqrt())
+        assert torch.equal(trained[rank:], start[rank:])
+    assert getattr(meta.config, LATENT_TRAINING_EPS) == getattr(model.config, LATENT_TRAINING_EPS)
+    assert [layer.self_attn.kv_a_layernorm.variance_epsilon for layer in meta.model.layers] == getattr(
+        model.config, LATENT_TRAINING_EPS)
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, folder_model(ids).logits, rtol=1e-4, atol=1e-4)
+    config, weights = export_model(model.config, model.state_dict())
+    assert not hasattr(config, LATENT_TRAINING_EPS) and not hasattr(config, METHOD_TAG)
+    for name, tensor in load_file(converted / 'model.safetensors').items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-12)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_heal_sh_trains_a_deepseek_export_from_transfer_with_two_processes(deepseek_export, data_root, tmp_path):

@@ -108,10 +108,42 @@ def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
     def error(rows_of_normed):
         predicted = rms_normed(held_out @ down.T) @ rows_of_normed.T
         return float((held_out @ targets.T - predicted).pow(2).mean())
-    regression = error(latent_norm_fit('regression', up, down, targets, fit_on))
-    scalar = error(latent_norm_fit('scalar', up, down, targets, fit_on))
+    for fit in ('regression', 'scalar'):
+        assert torch.equal(latent_norm_fit(fit, up, down, targets, fit_on)[0], down)  # these keep the latent rows
+    regression = error(latent_norm_fit('regression', up, down, targets, fit_on)[1])
+    scalar = error(latent_norm_fit('scalar', up, down, targets, fit_on)[1])
     floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())  # no norm at all
     assert floor < regression < scalar
+
+
+def test_the_linear_range_puts_the_latent_where_the_norm_is_linear_and_reaches_the_un_normed_latent():
+    """The same inputs: the linear fit scales the latent rows so that the calibration tokens' mean square averages
+    LINEAR_RANGE * eps (a closed form), and the keys and values read through the norm then reach the un-normed
+    latent's error on new tokens to within 1% of it, where the regression stays well above it."""
+    from dha_train.ops.deepseek import LATENT_NORM_EPS, LINEAR_RANGE, latent_norm_fit, rms_normed
+    from dha_train.ops.mla import latent_factors
+    generator = torch.Generator().manual_seed(11)
+    hidden, rows, rank = 24, 32, 10
+    targets = torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
+    weight = torch.linspace(0.2, 2.0, hidden, dtype=torch.float64)
+
+    def tokens(count):
+        states = torch.randn(count, hidden, dtype=torch.float64, generator=generator) + 0.7
+        return rms_normed(states) * weight
+    fit_on, held_out = tokens(4000), tokens(4000)
+    up, down = latent_factors(targets, rank, fit_on.T @ fit_on / fit_on.shape[0])
+    scaled, fitted = latent_norm_fit('linear', up, down, targets, fit_on)
+    mean_square = float((fit_on @ scaled.T).pow(2).mean())
+    assert mean_square == pytest.approx(LINEAR_RANGE * LATENT_NORM_EPS, rel=1e-9)
+    torch.testing.assert_close(scaled / scaled.norm(), down / down.norm())  # a scale, nothing else
+
+    def error(latent_rows, rows_of_normed):
+        predicted = rms_normed(held_out @ latent_rows.T) @ rows_of_normed.T
+        return float((held_out @ targets.T - predicted).pow(2).mean())
+    floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())
+    linear = error(scaled, fitted)
+    regression = error(down, latent_norm_fit('regression', up, down, targets, fit_on)[1])
+    assert linear < 1.01 * floor < regression
 
 
 def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_normed_latent():
@@ -136,7 +168,7 @@ def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_nor
         layer = deepseek_attention_weights(weights['q'], weights['k'], weights['v'], heads, kv_heads, dim, mix,
                                            rank, covariance, 'energy', fit_on if pin else None)
         down = layer['kv_a_proj_with_mqa.weight'][:rank]
-        rows = latent_norm_fit('regression', layer['up'], down, layer['targets'], fit_on)
+        rows = latent_norm_fit('regression', layer['up'], down, layer['targets'], fit_on)[1]
         errors[pin] = normed_latent_error(layer['targets'], down, rows, held_out)
         latent = held_out @ down.T
         rms = latent.pow(2).mean(-1).sqrt()

@@ -72,9 +72,11 @@ def _mla_and_deepseek_conversion_maths(inputs, balance) -> list[torch.Tensor]:
     layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, mix, 6, covariance,
                                                 balance, pin_inputs=x)
     fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
+                                      layer['targets'], x)[1]
+    linear = deepseek.latent_norm_fit('linear', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
                                       layer['targets'], x)
     kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
-    return [spectrum, *converted.values(), *layer.values(), kv_b, folded]
+    return [spectrum, *converted.values(), *layer.values(), kv_b, *linear, folded]
 
 
 def test_alignment_similarity_and_refit_maths(inputs):

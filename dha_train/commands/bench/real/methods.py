@@ -266,14 +266,15 @@ class RealBench(StageRunner):
                       converted['seconds'] + trained['seconds'], **extra)
 
     def mla_deepseek(self, budget: str) -> None:
-        """MLA in DeepSeek's format at the budget's cache bytes: 0 tokens with the mean-RMS latent norm fit, the
-        regression fit as its refit, then attention transfer and KL (``heal``)."""
+        """MLA in DeepSeek's format at the budget's cache bytes: 0 tokens with the conversion's defaults (the latent
+        in the norm's linear range), the same conversion calibrated on the refit's tokens as its refit, then
+        attention transfer and KL (``heal``)."""
         s = self.settings
         name = f'mla-deepseek-{budget}'
         fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
 
-        def converter(fit: str, tokens: int):
-            settings = DeepseekSettings(cache_fraction=fraction, latent_norm_fit=fit, data=str(self.train_data),
+        def converter(tokens: int):
+            settings = DeepseekSettings(cache_fraction=fraction, data=str(self.train_data),
                                         tokens=tokens, batch_size=min(8, s.batch), seed=s.seed, device=s.device)
 
             def convert(out: Path) -> dict:
@@ -283,14 +284,14 @@ class RealBench(StageRunner):
                                                         'rope_energy_kept')}}
             return convert, self.calibration(settings)
 
-        build, reads = converter('scalar', s.calib_tokens)
+        build, reads = converter(s.calib_tokens)
         converted = self.stage(self.runs, f'{name}-convert', build, **reads)
         extra = {key: converted[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'rope_stride',
                                                   'rope_energy_kept')}
         self.evaluate(f'MLA-DeepSeek {budget} @0', 'mla_deepseek', budget, converted['hf_folder'], 0,
                       converted['seconds'], **extra)
         self.heal(name, f'MLA-DeepSeek {budget}', 'mla_deepseek', budget, converted['hf_folder'],
-                  converted['seconds'], refit=converter('regression', s.refit_tokens), **extra)
+                  converted['seconds'], refit=converter(s.refit_tokens), **extra)
 
     def moh(self) -> None:
         name = 'moh'
