@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           '(one rank, one RoPE key shared by all heads), the format serving engines\' MLA kernels run')
     mla.add_argument('--rope-pairs', type=int, default=None,
                      help=f'RoPE pairs kept rotated: per K/V head (default {defaults.rope_pairs}), or with --format '
-                          'deepseek in the shared RoPE key (default: a quarter of the cached numbers, at most '
-                          'head_dim / 2)')
+                          'deepseek in the shared RoPE key (default: 5/8 of the head\'s pairs, the key at most a '
+                          'third of the cached numbers)')
     mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=None,
                      help=f'which pairs each K/V head keeps (default {defaults.pair_criterion}; not with deepseek, '
                           'whose pairs are strided)')

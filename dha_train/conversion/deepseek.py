@@ -40,17 +40,21 @@ from dha_train.ops.mla import BALANCES
 from dha_train.paths import refuse_nonempty, staged_folder
 
 CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies
-# Defaults chosen on a validation text no conversion calibrates on and no bench scores (vim's help files), on
-# SmolLM2-135M at a third and two thirds of its cache: a fold of 2 beat 1 and 4 at both, and a RoPE key of a quarter
-# of the cached numbers beat a half (at a third) and an eighth or a half (at two thirds); docs/methods/mla.md.
+# Defaults chosen on a validation text no conversion calibrates on and no bench scores (vim's help files, 512 tokens a
+# sequence), on SmolLM2-135M at a third and two thirds of its cache with the latent in the norm's linear range
+# (docs/methods/mla.md): a fold of 2 beat 1 and 4 at both; a shared key of 5/8 of the head's RoPE pairs (20 of 32)
+# came within 0.02 nats of the best width at both budgets (18 pairs at a third, 24 at two thirds), where a key of
+# half the head or a quarter of the budget lost 0.2 or more. The key takes at most a third of the cached numbers.
 DEFAULT_FREQ_FOLD = 2
-ROPE_SHARE = 0.25
+ROPE_PAIR_SHARE = 0.625  # of the head's RoPE pairs
+ROPE_BUDGET_CAP = 1 / 3  # of the numbers cached per token and layer
 
 
 @dataclass
 class DeepseekSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
-    # Pairs of the shared RoPE key (qk_rope_head_dim / 2); default a quarter of the cached numbers (ROPE_SHARE).
+    # Pairs of the shared RoPE key (qk_rope_head_dim / 2); default ROPE_PAIR_SHARE of the head's pairs, the key at
+    # most ROPE_BUDGET_CAP of the cached numbers.
     rope_pairs: int | None = None
     # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
     freq_fold: int = DEFAULT_FREQ_FOLD
@@ -90,7 +94,7 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     source = 2 * kv_heads * dim
     numbers = math.floor(settings.cache_fraction * source + 1e-9)  # cached per token and layer
-    default_pairs = min(dim // 2, max(1, int(ROPE_SHARE * numbers) // 2))
+    default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))
     pairs = settings.rope_pairs if settings.rope_pairs is not None else default_pairs
     if not 1 <= pairs <= dim // 2:
         raise ConfigError(f'convert --format deepseek: --rope-pairs must be within 1..{dim // 2} for {dim}-dim heads, '

@@ -36,8 +36,9 @@ RoPE scaling act per frequency and carry over; YaRN and dynamic scaling do not (
 **Latent.** The position-free keys and the values of all ``G`` heads are factored jointly as in ``ops.mla``
 (activation-aware, balanced), one rank for every layer (the format has one ``kv_lora_rank``).
 
-**Latent norm.** ``n = c / rms(c) * w`` divides each token's latent by its own RMS, which no linear map undoes:
-this is the one approximation the format forces on every source. Two things bound it:
+**Latent norm.** ``n = c / sqrt(mean(c^2) + eps) * w`` divides each token's latent by its own RMS once
+``mean(c^2)`` outweighs ``eps``, which no linear map undoes. The default fit keeps the latent where ``eps``
+outweighs it instead (the linear range, below); the older fits bound the error:
 
 - a **pin channel** (``pin_channel``): one latent row ``a * v^T x`` with ``v = Sigma^-1 mu`` (``mu``, ``Sigma``: the
   mean and covariance of the attention inputs), the linear read-out of the input whose value varies least
@@ -55,10 +56,10 @@ So the latent rows are scaled by ``s`` so that, over the calibration tokens, ``m
 and values are then off by ``1 - sqrt((1 + LINEAR_RANGE) / (1 + r LINEAR_RANGE))`` for a token at ``r`` times the
 mean square (under 1% at twice it), and a token far outside the calibration range is bounded, not blown up: its
 normed latent has an RMS of at most 1 where the typical one has ``sqrt(LINEAR_RANGE)``. No pin channel is needed and
-every latent dim carries keys and values. On SmolLM2-135M at a third of its cache this takes the 0-token held-out
-loss on the Rust book from 5.240 (regression with pins) to 3.952, where the latent with no norm at all scores 3.952
-(docs/methods/mla.md). The latent is small (RMS ``sqrt(LINEAR_RANGE * eps)``, about 1e-4): exact in float32 and
-bfloat16, whose exponents reach far below it, and in llama.cpp's f16 and q8_0 files (``gguf_io``).
+every latent dim carries keys and values. It reaches what the latent with no norm at all scores, where the pin and
+the regression stayed more than a nat above it on 512-token text (docs/methods/mla.md). The latent is small (RMS
+``sqrt(LINEAR_RANGE * eps)``, about 1e-4), which float32 and bfloat16 hold at full precision; so are the latent
+rows, which is why training rescales them (``latent_training_eps``).
 
 **Scale.** The class scales scores by ``(d + 2p)^-0.5``; the queries are multiplied by ``sqrt((d + 2p) / d)`` so the
 scores keep the source's ``d^-0.5``.
