@@ -47,7 +47,8 @@ The file computes what the HF model computes:
   ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`` on both sides (``key_length_mla``). The engine reads one RMSNorm
   epsilon for every norm, while transformers builds the latent norm with ``ops.deepseek.LATENT_NORM_EPS``: the
   latent rows of ``kv_a_proj_with_mqa`` are scaled by ``s = sqrt(eps_engine / eps_latent)``, and since
-  ``s c / sqrt(mean((s c)^2) + eps_engine) = c / sqrt(mean(c^2) + eps_latent)``, the normed latent is the same.
+  ``s c / sqrt(mean((s c)^2) + eps_engine) = c / sqrt(mean(c^2) + eps_latent)``, the normed latent is the same
+  (``convert --format deepseek`` writes ``rms_norm_eps`` = the latent's eps, so for its folders ``s`` is 1).
 
 The tokenizer comes from the folder's tokenizer files (BPE vocabularies; the pre-tokenizer is named by its
 structure, ``PRE_TOKENIZERS``), with the BOS, EOS and PAD ids and the chat template; ``general.*`` carries the

@@ -112,7 +112,11 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
 
 def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Config:
     """The ``DeepseekV3Config`` of the converted model: dense MLPs (``first_k_dense_replace`` = every layer), no
-    query LoRA, the source's norms, vocabulary, positions and RoPE scaling, ``rope_theta`` for the kept stride."""
+    query LoRA, the source's vocabulary, positions and RoPE scaling, ``rope_theta`` for the kept stride.
+    ``rms_norm_eps`` is the latent norm's (``LATENT_NORM_EPS``), not the source's: transformers builds the latent norm
+    with it whatever the config says, while vLLM, SGLang and llama.cpp build every norm with ``rms_norm_eps``, and a
+    latent in the norm's linear range is scaled by the eps (SmolLM2's 1e-5 would read it 3.2x too small). The other
+    norms barely notice: SmolLM2-135M's validation loss moves by 3e-5 from 1e-5 to 1e-6."""
     dim = head_dim(config)
     return DeepseekV3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -121,7 +125,7 @@ def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Con
         n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
         first_k_dense_replace=config.num_hidden_layers, kv_lora_rank=rank, q_lora_rank=None,
         qk_rope_head_dim=2 * pairs, qk_nope_head_dim=dim, v_head_dim=dim, hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=LATENT_NORM_EPS,
         rope_theta=rope_theta_for_stride(config.rope_theta, dim, pairs, stride), rope_scaling=config.rope_scaling,
         rope_interleave=True, attention_bias=False, attention_dropout=config.attention_dropout,
         tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,

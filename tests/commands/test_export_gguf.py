@@ -3,8 +3,8 @@ installed by `make install`), computes what the HF folder computes; what no engi
 
 The kinds: a GQA folder (``llama``), the same with LLaMA-3.x's RoPE scaling (``rope_freqs``), a servable DHA export whose layers keep different K/V head counts with the
 query heads out of group order (``deci``: llama.cpp's LLaMA with per-layer head counts), and MLA in DeepSeek's format
-from ``convert --format deepseek`` (``deepseek2``, MLA mode), its source with ``rms_norm_eps`` 1e-5 so that the
-latent norm's own epsilon (1e-6 in transformers) has to be carried.
+from ``convert --format deepseek`` (``deepseek2``, MLA mode), its ``rms_norm_eps`` set to 1e-5 so that the latent
+norm's own epsilon (1e-6 in transformers) has to be carried.
 
 Tolerances: llama.cpp in f32 with an f32 cache and without flash attention agrees with transformers to about 3e-6 on
 these models (measured; the order of float32 sums differs); 1e-4 leaves 30x headroom while a wrong RoPE layout, head
@@ -66,6 +66,11 @@ def folders(sources, tmp_path_factory, data_root) -> dict[str, Path]:
     assert main(['convert', str(sources['mha']), str(root / 'dha'), '--head-map', str(root / 'servable_map.json')]) == 0
     assert main(['convert', str(sources['gqa']), str(root / 'deepseek'), '--method', 'mla', '--format', 'deepseek',
                  '--cache-fraction', '0.5', '--data', str(data_root), '--tokens', '1024', '--batch-size', '4']) == 0
+    # the conversion writes the latent norm's eps (1e-6) as rms_norm_eps; a DeepSeek folder with another one (as
+    # the source's 1e-5) makes the exporter carry transformers' latent eps into llama.cpp's single eps
+    config = json.loads((root / 'deepseek' / 'config.json').read_text())
+    assert config['rms_norm_eps'] == 1e-6
+    (root / 'deepseek' / 'config.json').write_text(json.dumps({**config, 'rms_norm_eps': 1e-5}))
     return {'gqa': sources['gqa'], 'dha': root / 'dha', 'deepseek': root / 'deepseek', 'llama3': sources['llama3']}
 
 
