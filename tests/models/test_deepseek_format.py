@@ -86,17 +86,15 @@ def test_a_gqa_source_is_the_source_at_position_zero_and_only_the_residual_keys_
         assert not torch.allclose(model(ids).logits, source(ids).logits, atol=1e-3)  # the residual lost RoPE
 
 
-def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
+def _llama_like_latent() -> dict[str, torch.Tensor]:
     """Attention inputs as a LLaMA makes them (RMS-normed hidden states times the norm's weight, so their latents
-    differ in size by direction): the regression of the keys and values on the normed latent reconstructs new tokens
-    better than scaling by the mean RMS, and neither reaches the un-normed latent (the norm drops each token's size,
-    which no linear map brings back)."""
-    from dha_train.ops.deepseek import latent_norm_fit, rms_normed
+    differ in size by direction), 4,000 to fit on and 4,000 held out; random keys and values; their rank-10
+    activation-aware latent (``up``, ``down``)."""
+    from dha_train.ops.deepseek import rms_normed
     from dha_train.ops.mla import latent_factors
     generator = torch.Generator().manual_seed(11)
     hidden, rows, rank = 24, 32, 10
     targets = torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
-
     weight = torch.linspace(0.2, 2.0, hidden, dtype=torch.float64)
 
     def tokens(count):
@@ -104,46 +102,45 @@ def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
         return rms_normed(states) * weight
     fit_on, held_out = tokens(4000), tokens(4000)
     up, down = latent_factors(targets, rank, fit_on.T @ fit_on / fit_on.shape[0])
+    floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())  # no norm at all
+    return {'targets': targets, 'fit_on': fit_on, 'held_out': held_out, 'up': up, 'down': down, 'floor': floor}
 
-    def error(rows_of_normed):
-        predicted = rms_normed(held_out @ down.T) @ rows_of_normed.T
-        return float((held_out @ targets.T - predicted).pow(2).mean())
+
+def _normed_error(case: dict, latent_rows: torch.Tensor, rows_of_normed: torch.Tensor) -> float:
+    """Mean squared error of the keys and values read through the latent norm, on the held-out tokens."""
+    from dha_train.ops.deepseek import rms_normed
+    predicted = rms_normed(case['held_out'] @ latent_rows.T) @ rows_of_normed.T
+    return float((case['held_out'] @ case['targets'].T - predicted).pow(2).mean())
+
+
+def test_the_latent_norm_regression_beats_the_mean_rms_on_held_out_tokens():
+    """The regression of the keys and values on the normed latent reconstructs new tokens better than scaling by the
+    mean RMS, and neither reaches the un-normed latent (the norm drops each token's size, which no linear map brings
+    back)."""
+    from dha_train.ops.deepseek import latent_norm_fit
+    case = _llama_like_latent()
+    up, down, targets, fit_on = case['up'], case['down'], case['targets'], case['fit_on']
     for fit in ('regression', 'scalar'):
         assert torch.equal(latent_norm_fit(fit, up, down, targets, fit_on)[0], down)  # these keep the latent rows
-    regression = error(latent_norm_fit('regression', up, down, targets, fit_on)[1])
-    scalar = error(latent_norm_fit('scalar', up, down, targets, fit_on)[1])
-    floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())  # no norm at all
-    assert floor < regression < scalar
+    regression = _normed_error(case, down, latent_norm_fit('regression', up, down, targets, fit_on)[1])
+    scalar = _normed_error(case, down, latent_norm_fit('scalar', up, down, targets, fit_on)[1])
+    assert case['floor'] < regression < scalar
 
 
 def test_the_linear_range_puts_the_latent_where_the_norm_is_linear_and_reaches_the_un_normed_latent():
-    """The same inputs: the linear fit scales the latent rows so that the calibration tokens' mean square averages
-    LINEAR_RANGE * eps (a closed form), and the keys and values read through the norm then reach the un-normed
-    latent's error on new tokens to within 1% of it, where the regression stays well above it."""
-    from dha_train.ops.deepseek import LATENT_NORM_EPS, LINEAR_RANGE, latent_norm_fit, rms_normed
-    from dha_train.ops.mla import latent_factors
-    generator = torch.Generator().manual_seed(11)
-    hidden, rows, rank = 24, 32, 10
-    targets = torch.randn(rows, hidden, dtype=torch.float64, generator=generator)
-    weight = torch.linspace(0.2, 2.0, hidden, dtype=torch.float64)
-
-    def tokens(count):
-        states = torch.randn(count, hidden, dtype=torch.float64, generator=generator) + 0.7
-        return rms_normed(states) * weight
-    fit_on, held_out = tokens(4000), tokens(4000)
-    up, down = latent_factors(targets, rank, fit_on.T @ fit_on / fit_on.shape[0])
+    """The linear fit scales the latent rows so that the calibration tokens' mean square averages LINEAR_RANGE * eps
+    (a closed form), and the keys and values read through the norm then reach the un-normed latent's error on new
+    tokens to within 1% of it, where the regression stays well above it."""
+    from dha_train.ops.deepseek import LATENT_NORM_EPS, LINEAR_RANGE, latent_norm_fit
+    case = _llama_like_latent()
+    up, down, targets, fit_on = case['up'], case['down'], case['targets'], case['fit_on']
     scaled, fitted = latent_norm_fit('linear', up, down, targets, fit_on)
     mean_square = float((fit_on @ scaled.T).pow(2).mean())
     assert mean_square == pytest.approx(LINEAR_RANGE * LATENT_NORM_EPS, rel=1e-9)
     torch.testing.assert_close(scaled / scaled.norm(), down / down.norm())  # a scale, nothing else
-
-    def error(latent_rows, rows_of_normed):
-        predicted = rms_normed(held_out @ latent_rows.T) @ rows_of_normed.T
-        return float((held_out @ targets.T - predicted).pow(2).mean())
-    floor = float((held_out @ targets.T - held_out @ down.T @ up.T).pow(2).mean())
-    linear = error(scaled, fitted)
-    regression = error(down, latent_norm_fit('regression', up, down, targets, fit_on)[1])
-    assert linear < 1.01 * floor < regression
+    linear = _normed_error(case, scaled, fitted)
+    regression = _normed_error(case, down, latent_norm_fit('regression', up, down, targets, fit_on)[1])
+    assert linear < 1.01 * case['floor'] < regression
 
 
 def test_a_pin_channel_holds_the_latent_rms_and_brings_the_error_near_the_un_normed_latent():
