@@ -260,8 +260,10 @@ PRE_TOKENIZERS = {
     ('ByteLevel:regex',): 'gpt-2',
     ('Digits:individual', 'ByteLevel:regex'): 'smollm',
 }
-# The MLA tensors that read the normed latent (deepseek2): kept f16 in a q8_0 file (see ``_stored``).
+# The MLA tensors that read the normed latent, and the one that writes the latent (deepseek2): kept f16 in a q8_0
+# file (see ``_stored``).
 LATENT_READERS = ('attn_k_b.weight', 'attn_v_b.weight')
+LATENT_WRITERS = ('attn_kv_a_mqa.weight',)
 
 
 class GgufExportError(DhaTrainError, ValueError):
@@ -591,7 +593,10 @@ def _stored(name: str, tensor: torch.Tensor, outtype: str) -> tuple[np.ndarray, 
     the normed latent (``LATENT_READERS``): llama.cpp rounds a q8_0 matmul's input to 8-bit blocks too, and the
     DeepSeek-format latent can carry one large channel (the conversion's pin), which leaves the others a few levels.
     Measured on SmolLM2 at a third of the cache (8 held-out sequences): HF 4.498, all-q8_0 6.265, q8_0 with these two
-    in f16 4.504."""
+    in f16 4.504. And for the tensor that writes the latent (``LATENT_WRITERS``): a latent in the norm's linear range
+    has rows of about 1e-5, where a q8_0 block's f16 scale (a 127th of the block's largest value) is subnormal and
+    a few % off; on SmolLM2 at a third (the Rust book, 16 x 512 tokens, HF 3.8137): q8_0 3.8307, with it in f16
+    3.8176."""
     import gguf
     from gguf.quants import quantize
 
@@ -601,7 +606,8 @@ def _stored(name: str, tensor: torch.Tensor, outtype: str) -> tuple[np.ndarray, 
     kind = kinds[outtype]
     if array.ndim == 1 or name == 'rope_freqs.weight':
         kind = gguf.GGMLQuantizationType.F32
-    elif kind == gguf.GGMLQuantizationType.Q8_0 and (array.shape[-1] % 32 or name.endswith(LATENT_READERS)):
+    elif kind == gguf.GGMLQuantizationType.Q8_0 and (array.shape[-1] % 32
+                                                     or name.endswith(LATENT_READERS + LATENT_WRITERS)):
         kind = gguf.GGMLQuantizationType.F16
     if kind == gguf.GGMLQuantizationType.F32:
         return array, kind

@@ -150,6 +150,19 @@ def test_q8_0_and_f16_files_load_and_stay_close(folders, tmp_path):
     assert (tmp_path / 'q8_0.gguf').stat().st_size < 0.6 * (tmp_path / 'f16.gguf').stat().st_size
 
 
+def test_a_q8_0_deepseek_file_keeps_the_tensors_that_write_and_read_the_latent_in_f16(folders, tmp_path):
+    """The latent's rows sit in the norm's linear range (about 1e-5), where a q8_0 block's f16 scale is subnormal,
+    and the tensors that read the normed latent see llama.cpp round their input to 8 bits: those three stay f16,
+    the rest is q8_0."""
+    out = tmp_path / 'deepseek.q8_0.gguf'
+    assert main(['export-gguf', str(folders['deepseek']), str(out), '--outtype', 'q8_0']) == 0
+    types = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(out).tensors}
+    for layer in range(LAYERS):
+        for name in ('attn_kv_a_mqa', 'attn_k_b', 'attn_v_b'):
+            assert types[f'blk.{layer}.{name}.weight'] == gguf.GGMLQuantizationType.F16, name
+        assert types[f'blk.{layer}.ffn_up.weight'] == gguf.GGMLQuantizationType.Q8_0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Refusals: exit 2, one line, nothing written
 # ----------------------------------------------------------------------------------------------------------------
