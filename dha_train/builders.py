@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -14,9 +13,9 @@ import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with t
 from dha_train import methods
 from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
 from dha_train.distributed import causal_lm_on_meta
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, safetensors_files
 from dha_train.models.llama_layout import is_decoder_block
-from dha_train.ops.deepseek import latent_eps_scale, latent_training_eps
+from dha_train.ops.deepseek import latent_eps_scale, latent_training_eps, scale_latent_rows
 
 
 def build_llama_config(cfg: ModelConfig):
@@ -79,13 +78,10 @@ def _folder_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """Named tensors read from a folder's safetensors (one file or an index's shards), not the whole model."""
     from safetensors import safe_open
 
-    index = folder / 'model.safetensors.index.json'
-    where = (json.loads(index.read_text())['weight_map'] if index.is_file()
-             else dict.fromkeys(names, 'model.safetensors'))
     tensors = {}
-    for file in sorted({where[name] for name in names}):
+    for file in safetensors_files(folder):
         with safe_open(folder / file, framework='pt') as handle:
-            tensors.update({name: handle.get_tensor(name) for name in names if where[name] == file})
+            tensors.update({name: handle.get_tensor(name) for name in names if name in handle.keys()})
     return tensors
 
 
@@ -105,7 +101,7 @@ def latent_in_training_form(model, folder: Path, on_meta_device: bool) -> None:
         eps = latent_training_eps(weight, rank)
         if not on_meta_device:
             with torch.no_grad():
-                attention.kv_a_proj_with_mqa.weight[:rank] *= latent_eps_scale(eps)
+                attention.kv_a_proj_with_mqa.weight.copy_(scale_latent_rows(weight, rank, latent_eps_scale(eps)))
         attention.kv_a_layernorm.variance_epsilon = eps
         training_eps.append(eps)
     setattr(model.config, methods.LATENT_TRAINING_EPS, training_eps)

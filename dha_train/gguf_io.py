@@ -76,10 +76,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from dha_train.errors import DhaTrainError, InputNotFoundError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import KV_TOKENS, card_stage, read_model_card, write_model_card
-from dha_train.model_folders import check_model_folder, file_sha256
+from dha_train.model_folders import check_model_folder, file_sha256, safetensors_files
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
-from dha_train.ops.deepseek import latent_eps_scale
+from dha_train.ops.deepseek import latent_eps_scale, scale_latent_rows
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 
 # ---- import: a GGUF file as a HF folder ----
@@ -260,10 +260,9 @@ PRE_TOKENIZERS = {
     ('ByteLevel:regex',): 'gpt-2',
     ('Digits:individual', 'ByteLevel:regex'): 'smollm',
 }
-# The MLA tensors that read the normed latent, and the one that writes the latent (deepseek2): kept f16 in a q8_0
+# The MLA tensors that read the normed latent and the one that writes the latent (deepseek2): kept f16 in a q8_0
 # file (see ``_stored``).
-LATENT_READERS = ('attn_k_b.weight', 'attn_v_b.weight')
-LATENT_WRITERS = ('attn_kv_a_mqa.weight',)
+LATENT_TENSORS = ('attn_k_b.weight', 'attn_v_b.weight', 'attn_kv_a_mqa.weight')
 
 
 class GgufExportError(DhaTrainError, ValueError):
@@ -338,9 +337,7 @@ class _Weights:
     def __init__(self, folder: Path, stack: ExitStack):
         from safetensors import safe_open
 
-        index = folder / 'model.safetensors.index.json'
-        files = (sorted(set(json.loads(index.read_text())['weight_map'].values())) if index.is_file()
-                 else ['model.safetensors'])
+        files = safetensors_files(folder)
         if not all((folder / name).is_file() for name in files):
             raise GgufExportError(f'export-gguf: {folder} holds no safetensors weights (pytorch_model.bin is not '
                                   'read: re-save the folder with safe_serialization=True)')
@@ -405,8 +402,7 @@ def _deepseek_tensors(config, weights: _Weights) -> Iterator[tuple[str, torch.Te
     scale = latent_eps_scale(config.rms_norm_eps)
     for index in range(config.num_hidden_layers):
         prefix, block = f'model.layers.{index}.', f'blk.{index}.'
-        down = weights.get(prefix + 'self_attn.kv_a_proj_with_mqa.weight')
-        down = torch.cat([down[:rank] * scale, down[rank:]])
+        down = scale_latent_rows(weights.get(prefix + 'self_attn.kv_a_proj_with_mqa.weight'), rank, scale)
         up = weights.get(prefix + 'self_attn.kv_b_proj.weight').reshape(heads, nope + value, rank)
         yield block + 'attn_norm.weight', weights.get(prefix + 'input_layernorm.weight')
         yield block + 'attn_q.weight', weights.get(prefix + 'self_attn.q_proj.weight')
@@ -590,10 +586,10 @@ def _add_deepseek_header(writer, config) -> None:
 def _stored(name: str, tensor: torch.Tensor, outtype: str) -> tuple[np.ndarray, object]:
     """(the array to write, its GGML type): norms and other 1-D tensors stay f32, as llama.cpp's converter keeps
     them; q8_0 falls back to f16 for rows not a multiple of its 32-value block, and for the MLA tensors that read
-    the normed latent (``LATENT_READERS``): llama.cpp rounds a q8_0 matmul's input to 8-bit blocks too, and the
+    the normed latent (``attn_k_b``, ``attn_v_b``): llama.cpp rounds a q8_0 matmul's input to 8-bit blocks too, and the
     DeepSeek-format latent can carry one large channel (the conversion's pin), which leaves the others a few levels.
     Measured on SmolLM2 at a third of the cache (8 held-out sequences): HF 4.498, all-q8_0 6.265, q8_0 with these two
-    in f16 4.504. And for the tensor that writes the latent (``LATENT_WRITERS``): a latent in the norm's linear range
+    in f16 4.504. And for the tensor that writes the latent (``attn_kv_a_mqa``): a latent in the norm's linear range
     has rows of about 1e-5, where a q8_0 block's f16 scale (a 127th of the block's largest value) is subnormal and
     a few % off; on SmolLM2 at a third (the Rust book, 16 x 512 tokens, HF 3.8137): q8_0 3.8307, with it in f16
     3.8176."""
@@ -606,8 +602,7 @@ def _stored(name: str, tensor: torch.Tensor, outtype: str) -> tuple[np.ndarray, 
     kind = kinds[outtype]
     if array.ndim == 1 or name == 'rope_freqs.weight':
         kind = gguf.GGMLQuantizationType.F32
-    elif kind == gguf.GGMLQuantizationType.Q8_0 and (array.shape[-1] % 32
-                                                     or name.endswith(LATENT_READERS + LATENT_WRITERS)):
+    elif kind == gguf.GGMLQuantizationType.Q8_0 and (array.shape[-1] % 32 or name.endswith(LATENT_TENSORS)):
         kind = gguf.GGMLQuantizationType.F16
     if kind == gguf.GGMLQuantizationType.F32:
         return array, kind

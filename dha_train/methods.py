@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 from dha_train.errors import DhaTrainError
@@ -30,7 +29,7 @@ from dha_train.models.llama_layout import head_dim
 from dha_train.models.modeling_dha import DhaLlamaConfig
 from dha_train.models.modeling_moh import MohLlamaConfig
 from dha_train.models.transfer import transfer_to_gqa_state_dict
-from dha_train.ops.deepseek import LATENT_NORM_EPS, latent_eps_scale
+from dha_train.ops.deepseek import LATENT_NORM_EPS, latent_eps_scale, scale_latent_rows
 from dha_train.ops.fusion import bake_llama_state_dict
 from dha_train.ops.mla import cache_values_per_token
 
@@ -219,9 +218,7 @@ def _deepseek_engine_form(config, weights):
     weights = dict(weights)
     for index, eps in enumerate(training_eps):
         name = f'model.layers.{index}.self_attn.kv_a_proj_with_mqa.weight'
-        down = weights[name]
-        scale = latent_eps_scale(LATENT_NORM_EPS, eps)
-        weights[name] = torch.cat([down[:config.kv_lora_rank] * scale, down[config.kv_lora_rank:]])
+        weights[name] = scale_latent_rows(weights[name], config.kv_lora_rank, latent_eps_scale(LATENT_NORM_EPS, eps))
     delattr(config, LATENT_TRAINING_EPS)
     return config, weights
 

@@ -31,6 +31,14 @@ _SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
 _INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
 
 
+def safetensors_files(folder: str | Path) -> list[str]:
+    """The safetensors files holding a folder's weights: the shards its index names, else ``model.safetensors``."""
+    index = Path(folder) / 'model.safetensors.index.json'
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())['weight_map'].values()))
+    return ['model.safetensors']
+
+
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model')  # what AutoTokenizer needs (fast, or sentencepiece)
 
 

@@ -148,9 +148,6 @@ def run_deepseek(args: argparse.Namespace) -> int:
         raise ConfigError(f'convert --format deepseek: {", ".join(given)} do not apply (one latent rank for every '
                           'layer, one RoPE key on strided pairs, the activation-aware factorisation)')
     settings = DeepseekSettings(cache_fraction=args.cache_fraction, **_given(args, (*_MLA_SHARED, *_DEEPSEEK_ONLY)))
-    if args.pin is not None and settings.latent_norm_fit == 'linear':
-        raise ConfigError('convert --format deepseek: --no-latent-pin applies to --latent-norm-fit regression or '
-                          'scalar; the linear fit (the default) has no pin channel')
     report = convert_to_deepseek(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     pins = ('the latent in the norm\'s linear range' if settings.latent_norm_fit == 'linear' else
             f'a pin channel in {len(report["pinned_layers"])} of {len(report["layer_pin_errors"])} layers')

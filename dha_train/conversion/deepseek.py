@@ -207,6 +207,9 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         raise ConfigError(f"convert --format deepseek: --latent-norm-fit must be one of {', '.join(LATENT_NORM_FITS)}")
     if settings.balance not in BALANCES:
         raise ConfigError(f"convert --format deepseek: --balance must be one of {', '.join(BALANCES)}")
+    if not settings.pin and settings.latent_norm_fit == 'linear':
+        raise ConfigError('convert --format deepseek: --no-latent-pin applies to --latent-norm-fit regression or '
+                          'scalar; the linear fit (the default) has no pin channel')
     if settings.freq_fold < 1:
         raise ConfigError(f'convert --format deepseek: --freq-fold must be at least 1, got {settings.freq_fold}')
     if settings.data is None:

@@ -231,6 +231,12 @@ def latent_eps_scale(to_eps: float, from_eps: float = LATENT_NORM_EPS) -> float:
     return math.sqrt(to_eps / from_eps)
 
 
+def scale_latent_rows(kv_a_weight: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+    """``kv_a_proj_with_mqa.weight`` with its first ``rank`` rows (the latent) times ``scale``, the RoPE rows as
+    they are (a new tensor)."""
+    return torch.cat([kv_a_weight[:rank] * scale, kv_a_weight[rank:]])
+
+
 def latent_training_eps(kv_a_weight: torch.Tensor, rank: int) -> float:
     """The latent norm's eps for training a layer whose ``kv_a_proj_with_mqa.weight`` has the latent in its first
     ``rank`` rows: the eps under which those rows, scaled by ``latent_eps_scale(eps)``, have the RMS of the RoPE
