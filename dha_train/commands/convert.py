@@ -20,10 +20,10 @@ MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 # Options of DeepSeek's format only (the project's MLA class has no latent norm).
-_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin', 'freq_fold')
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin')
 # Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
 # settings classes hold the defaults.
-_MLA_SHARED = ('rope_pairs', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
+_MLA_SHARED = ('rope_pairs', 'freq_fold', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
 _MLA_OPTIONS = ('cache_fraction', 'mla_format', *_MLA_SHARED, *_NOT_DEEPSEEK, *_DEEPSEEK_ONLY)
 
 
@@ -72,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           'linear range, where it is exact; default), regression (kv_b_proj fitted by least squares on '
                           'the normed latent over the calibration tokens) or scalar (the mean RMS)')
     mla.add_argument('--freq-fold', dest='freq_fold', type=int, default=None,
-                     help='deepseek: this many consecutive slots of the shared RoPE key share one analysis of every '
-                          'source pair their frequencies span (FreqFold; default 2; 1: each slot its own pair)')
+                     help='FreqFold. deepseek: this many consecutive slots of the shared RoPE key share one analysis '
+                          'of every source pair their frequencies span (default 2). The MLA class: each K/V head\'s '
+                          'pairs are cut into windows of this many, and a kept pair holds the top component of its '
+                          f'window (default {defaults.freq_fold}). 1: each kept pair is a source pair as it is')
     mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
                      help='deepseek, with --latent-norm-fit regression or scalar: no pin channel (by default, each '
                           'layer where it lowers the held-out error gets one latent channel that holds the latent\'s '
@@ -134,7 +136,9 @@ def run_mla(args: argparse.Namespace) -> int:
     report = convert_to_mla(args.model_dir, args.out_dir, settings, overwrite=args.overwrite)
     ranks = report['ranks']
     print(f'dha-train convert --method mla: wrote {args.out_dir} (latent ranks {min(ranks)}-{max(ranks)}, '
-          f'{report["rope_pairs"]} RoPE pairs per K/V head; {report["cache_values_per_token"]} cache numbers per '
+          f'{report["rope_pairs"]} RoPE pairs per K/V head, fold {report["freq_fold"]} '
+          f'({report["rope_energy_kept"]:.1%} of the key energy kept rotated); '
+          f'{report["cache_values_per_token"]} cache numbers per '
           f'token: {report["fraction_of_source"]:.1%} of the source KV cache, {report["fraction_of_mha"]:.1%} of '
           'MHA\'s)')
     if note := missing_tokenizer_note(args.out_dir, args.model_dir):

@@ -30,13 +30,12 @@ from dha_train.ops.deepseek import (
     kv_b_weight,
     latent_norm_fit,
     normed_latent_error,
-    pair_key_cross_energy,
     rope_theta_for_stride,
     shared_key_mix,
     stride_choices,
     strided_pairs,
 )
-from dha_train.ops.mla import BALANCES
+from dha_train.ops.mla import BALANCES, pair_key_cross_energy
 from dha_train.paths import refuse_nonempty, staged_folder
 
 CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies

@@ -27,10 +27,14 @@ from dha_train.ops.mla import (
     PAIR_CRITERIA,
     allocate_latent_ranks,
     cache_values_per_token,
+    fold_windows,
+    folded_pair_bases,
     joint_latent_rows,
     kept_rope_pairs,
     latent_energies,
+    mix_head_pairs,
     mla_layer_weights,
+    pair_key_cross_energy,
     rope_pair_scores,
 )
 from dha_train.paths import refuse_nonempty, staged_folder
@@ -43,6 +47,9 @@ FACTORISATIONS = ('activation', 'weight')
 class MlaSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
     rope_pairs: int = 4  # RoPE pairs kept per K/V head (2 * pairs rotated key dims)
+    # FreqFold per K/V head (ops.mla): each kept pair holds the top component of a window of this many consecutive
+    # pairs; 1 keeps source pairs as they are
+    freq_fold: int = 1
     pair_criterion: str = 'norm'  # norm (MHA2MLA 2-norm), uniform, high_frequency
     ranks: str = 'spectrum'  # uniform or spectrum (allocated over the layers)
     factorisation: str = 'activation'  # activation (calibration covariance) or weight (plain SVD)
@@ -72,8 +79,8 @@ def check_settings(settings: MlaSettings) -> None:
                                  ('--balance', settings.balance, BALANCES)):
         if value not in allowed:
             raise ConfigError(f"mla: {name} must be one of {', '.join(allowed)}, got '{value}'")
-    if settings.rope_pairs < 0 or settings.rank_step < 1 or settings.tokens < 1:
-        raise ConfigError('mla: --rope-pairs must be >= 0, --rank-step and --tokens >= 1')
+    if settings.rope_pairs < 0 or settings.rank_step < 1 or settings.tokens < 1 or settings.freq_fold < 1:
+        raise ConfigError('mla: --rope-pairs must be >= 0, --rank-step, --tokens and --freq-fold >= 1')
     if settings.data is None and (settings.pair_criterion == 'norm' or settings.factorisation == 'activation'):
         raise ConfigError('mla: the 2-norm pair criterion and the activation-aware factorisation need calibration '
                           'data (--data); or use --pair-criterion uniform --factorisation weight')
@@ -86,6 +93,11 @@ def latent_budget(config, settings: MlaSettings) -> tuple[int, int]:
     if settings.rope_pairs > dim // 2:
         raise ConfigError(f'mla: --rope-pairs {settings.rope_pairs} exceeds the {dim // 2} pairs of a '
                           f'{dim}-dim head')
+    windows = len(fold_windows(dim // 2, settings.freq_fold))
+    if settings.rope_pairs > windows:
+        raise ConfigError(f'mla: --rope-pairs {settings.rope_pairs} with --freq-fold {settings.freq_fold}: a '
+                          f'{dim}-dim head has only {windows} windows of {settings.freq_fold} pairs, one kept pair '
+                          'each; keep fewer pairs or fold fewer')
     source_values = layers * 2 * kv_heads * dim
     budget = math.floor(settings.cache_fraction * source_values + 1e-9)
     latent = budget - layers * kv_heads * 2 * settings.rope_pairs
@@ -119,18 +131,30 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
             raise CalibrationError(f'convert --method mla: {exc}') from exc
 
     layers = attention_modules(model)
-    kept, covariances = [], []
+    kept, covariances, rotated_energy = [], [], [0.0, 0.0]
     for index, attention in enumerate(layers):
-        scores = None
-        if settings.pair_criterion == 'norm':
-            scores = rope_pair_scores(calibration.layer(index, 'query').sample, calibration.layer(index, 'key').sample,
-                                      dim, source.layers[index].key)  # each query head's K/V head
-        kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores))
+        query_to_kv = source.layers[index].key  # each query head's K/V head
         covariance = None
         if settings.factorisation == 'activation':
             running = calibration.layer(index, 'input').running
             covariance = running.gram / running.count  # E[x x^T] over the calibration tokens
         covariances.append(covariance)
+        cross = pair_key_cross_energy(attention.k_proj.weight.detach(), covariance, kv_heads, dim)
+        bases, centres, _ = folded_pair_bases(cross, settings.freq_fold)
+        if settings.freq_fold > 1:
+            fold_query_and_key_pairs(attention, bases, dim, query_to_kv)
+        scores = None
+        if settings.pair_criterion == 'norm':
+            query_states, key_states = (calibration.layer(index, kind).sample for kind in ('query', 'key'))
+            if settings.freq_fold > 1:
+                query_states = mix_head_pairs(query_states, bases.to(query_states.device), dim, query_to_kv)
+                key_states = mix_head_pairs(key_states, bases.to(key_states.device), dim)
+            scores = rope_pair_scores(query_states, key_states, dim, query_to_kv)
+        kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores, centres))
+        folded = pair_key_cross_energy(attention.k_proj.weight.detach(), covariance, kv_heads, dim)
+        per_pair = torch.stack([folded[:, head, :, head].diagonal() for head in range(kv_heads)])  # (G, pairs)
+        rotated_energy[0] += float(per_pair.gather(1, kept[-1].to(per_pair.device)).sum())
+        rotated_energy[1] += float(per_pair.sum())
 
     if settings.ranks == 'uniform':
         rank = total_latent // len(layers)
@@ -170,7 +194,8 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     if missing or unexpected:
         raise RuntimeError(f'mla conversion: weights do not match (missing {missing[:4]}, unexpected {unexpected[:4]})')
     cached = cache_values_per_token(ranks, [settings.rope_pairs] * len(ranks), kv_heads)
-    report = {'ranks': [int(r) for r in ranks], 'rope_pairs': settings.rope_pairs,
+    report = {'ranks': [int(r) for r in ranks], 'rope_pairs': settings.rope_pairs, 'freq_fold': settings.freq_fold,
+              'rope_energy_kept': rotated_energy[0] / rotated_energy[1] if rotated_energy[1] else 0.0,
               'pair_criterion': settings.pair_criterion, 'factorisation': settings.factorisation,
               'balance': settings.balance, 'cache_values_per_token': cached, 'source_values_per_token': source_values,
               'fraction_of_source': cached / source_values,
@@ -183,6 +208,18 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         if (model_dir / 'tokenizer_config.json').is_file():
             AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
     return report
+
+
+def fold_query_and_key_pairs(attention, bases: torch.Tensor, dim: int, query_to_kv) -> None:
+    """Re-base, in place, the RoPE pairs of a layer's query and key projections (weights and biases) by each K/V
+    head's FreqFold ``bases`` (``ops.mla.folded_pair_bases``): an orthogonal mix, the same for a K/V head and the
+    query heads reading it, so every position-free score is unchanged."""
+    with torch.no_grad():
+        for projection, mapping in ((attention.q_proj, query_to_kv), (attention.k_proj, None)):
+            bases_here = bases.to(projection.weight.device)
+            projection.weight.copy_(mix_head_pairs(projection.weight.T, bases_here, dim, mapping).T)
+            if projection.bias is not None:
+                projection.bias.copy_(mix_head_pairs(projection.bias, bases_here, dim, mapping))
 
 
 def _bias(projection) -> torch.Tensor | None:

@@ -104,17 +104,6 @@ def rope_theta_for_stride(theta: float, head_dim: int, pairs: int, stride: int) 
     return float(theta) ** (2 * pairs * stride / head_dim)
 
 
-def pair_key_cross_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
-                          head_dim: int) -> torch.Tensor:
-    """(pairs, G, pairs, G) float64: the key energy across pairs and heads, both components summed (block ``(i,
-    i)`` is ``M_i``)."""
-    half = head_dim // 2
-    rows = k_weight.double().reshape(kv_heads, 2, half, -1).permute(1, 2, 0, 3)  # (component, pair, G, hidden)
-    if covariance is None:
-        return torch.einsum('cpgh,cqkh->pgqk', rows, rows)
-    return torch.einsum('cpgh,hj,cqkj->pgqk', rows, covariance.double(), rows)
-
-
 def fold_spans(slots: list[int], fold: int, stride: int, half: int) -> list[tuple[list[int], list[int]]]:
     """(slot indices, source pairs) of each fold: ``fold`` consecutive slots and every source pair their frequencies
     span (``stride * fold`` pairs from the first slot's, within the head); a fold of 1 reads only its slot's pair."""

@@ -18,6 +18,14 @@ CARE and the K/V balance of TransMLA (arXiv 2502.07864):
    Without a covariance (``C = I``) this is plain weight SVD. Keys and values can be balanced first (the key rows
    scaled by one factor, undone in ``up``), so neither dominates the latent: ``energy`` gives both the same total
    energy under ``C``; ``feature_norm`` is TransMLA's code (the same mean per-feature norm over the tokens).
+   **Folded frequencies (FreqFold, per K/V head).** Neighbouring pairs turn at nearly the same speed. With a fold
+   of ``F``, each head's pairs are cut into windows of ``F`` consecutive pairs and re-based, queries and keys alike,
+   by the eigenvectors of the window's key energy (``M_ij = sum over both components of E[k_i k_j]``): one real
+   orthogonal ``F x F`` mix applied the same way to both components of every pair, so the position-free dot
+   product ``q . k`` is unchanged. The top component sits at the window's pair nearest its energy-weighted mean
+   frequency and is the window's one candidate to stay rotated; the others become position-free. Turning the mix
+   at one frequency is exact only where the window's frequencies are equal: the fold trades that error for more
+   key energy kept rotated per cached pair. A fold of 1 is the plain choice above.
 3. **Ranks per layer.** ``allocate_latent_ranks`` splits a total latent size over the layers from each layer's
    spectrum (the relative energy a rank leaves out) with the same knapsack as the DHA Search's K/V budget
    (``ops.budget.allocate_slots``); a uniform rank is the alternative.
@@ -64,27 +72,102 @@ def rope_pair_scores(query_states: torch.Tensor, key_states: torch.Tensor, head_
 
 
 def kept_rope_pairs(num_kv_heads: int, head_dim: int, pairs: int, criterion: str = 'norm',
-                    scores: torch.Tensor | None = None) -> torch.Tensor:
-    """(kv_heads, pairs) long: the RoPE pairs each K/V head keeps rotated, increasing. ``norm`` takes the ``pairs``
-    highest ``scores`` (``rope_pair_scores``); ``uniform`` spreads them evenly over the frequencies (pair
-    ``floor(j * half / pairs)``); ``high_frequency`` keeps pairs 0..pairs-1."""
+                    scores: torch.Tensor | None = None, centres: torch.Tensor | None = None) -> torch.Tensor:
+    """(kv_heads, pairs) long: the RoPE pairs each K/V head keeps rotated, increasing, chosen among its
+    ``centres`` (kv_heads, windows), increasing: each fold window's one candidate (``folded_pair_bases``); every
+    pair without a fold. ``norm`` takes the ``pairs`` candidates of highest ``scores`` (``rope_pair_scores``, over
+    all the head's pairs); ``uniform`` spreads them evenly over the frequencies (candidate ``floor(j * windows /
+    pairs)``); ``high_frequency`` keeps the first ``pairs``."""
     half = head_dim // 2
-    if not 0 <= pairs <= half:
-        raise ValueError(f'pairs kept must be within 0..{half} (head_dim {head_dim}), got {pairs}')
+    if centres is None:
+        centres = torch.arange(half, dtype=torch.long, device='cpu').expand(num_kv_heads, half)
+    windows = centres.shape[1]
+    if tuple(centres.shape) != (num_kv_heads, windows):
+        raise ValueError(f'centres must be ({num_kv_heads}, windows), got {tuple(centres.shape)}')
+    if not 0 <= pairs <= windows:
+        raise ValueError(f'pairs kept must be within 0..{windows} (head_dim {head_dim}, {windows} candidate pairs '
+                         f'a head), got {pairs}')
     if criterion not in PAIR_CRITERIA:
         raise ValueError(f'criterion must be one of {", ".join(PAIR_CRITERIA)}, got {criterion!r}')
+    centres = centres.long().cpu()
     if criterion == 'norm':
         if scores is None or tuple(scores.shape) != (num_kv_heads, half):
             raise ValueError(f'criterion norm needs scores of shape ({num_kv_heads}, {half}), got '
                              f'{None if scores is None else tuple(scores.shape)}')
-        # stable: equal scores keep the lower (higher-frequency) pair
-        order = torch.sort(-scores.double(), dim=1, stable=True).indices[:, :pairs]
-        return order.sort(dim=1).values
+        # stable: equal scores keep the lower (higher-frequency) candidate
+        candidate_scores = scores.double().cpu().gather(1, centres)
+        order = torch.sort(-candidate_scores, dim=1, stable=True).indices[:, :pairs]
+        return centres.gather(1, order.sort(dim=1).values)
     if criterion == 'uniform':
-        row = torch.tensor([j * half // pairs for j in range(pairs)], dtype=torch.long, device='cpu')
+        row = torch.tensor([j * windows // pairs for j in range(pairs)], dtype=torch.long, device='cpu')
     else:
         row = torch.arange(pairs, dtype=torch.long, device='cpu')
-    return row.expand(num_kv_heads, pairs).clone()
+    return centres[:, row].clone()
+
+
+def fold_windows(half: int, fold: int) -> list[list[int]]:
+    """Consecutive runs of ``fold`` pairs covering ``0..half-1`` (the last one shorter when ``fold`` does not divide
+    ``half``)."""
+    if fold < 1:
+        raise ValueError(f'the frequency fold must be at least 1, got {fold}')
+    return [list(range(first, min(first + fold, half))) for first in range(0, half, fold)]
+
+
+def folded_pair_bases(cross: torch.Tensor, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FreqFold per K/V head (the module's note) from ``pair_key_cross_energy`` (pairs, G, pairs, G):
+    (bases (G, pairs, pairs) float64, orthogonal and block-diagonal over the windows, new pair ``j`` of head ``g``
+    being ``sum_i bases[g, i, j]`` old pair ``i``; centres (G, windows) long, where each window's top component
+    sits; kept (G, windows), the key energy of that component). A fold of 1 gives the identity and every pair."""
+    half, kv_heads = cross.shape[0], cross.shape[1]
+    windows = fold_windows(half, fold)
+    bases = torch.zeros(kv_heads, half, half, dtype=torch.float64, device=cross.device)
+    centres = torch.zeros(kv_heads, len(windows), dtype=torch.long, device='cpu')
+    kept = torch.zeros(kv_heads, len(windows), dtype=torch.float64, device='cpu')
+    for head in range(kv_heads):
+        energy = cross[:, head, :, head].double()
+        for window_index, window in enumerate(windows):
+            index = torch.tensor(window, dtype=torch.long, device=cross.device)
+            block = energy[index][:, index]
+            values, vectors = torch.linalg.eigh((block + block.T) / 2)
+            values, vectors = values.flip(0), vectors.flip(1)  # largest first
+            top = vectors[:, 0]
+            weight = top.pow(2)
+            centre = int(torch.round(weight @ torch.arange(len(window), dtype=torch.float64, device=cross.device)
+                                     / weight.sum()))
+            # the top component at the centre, the others in order at the remaining positions
+            positions = [centre] + [p for p in range(len(window)) if p != centre]
+            placed = torch.zeros_like(vectors)
+            placed[:, positions] = vectors * torch.sign(top[top.abs().argmax()])
+            bases[head][index.unsqueeze(1), index.unsqueeze(0)] = placed
+            centres[head, window_index] = window[centre]
+            kept[head, window_index] = float(values[0].clamp_min(0.0))
+    return bases, centres, kept
+
+
+def mix_head_pairs(states: torch.Tensor, bases: torch.Tensor, head_dim: int,
+                   query_to_kv: Sequence[int] | None = None) -> torch.Tensor:
+    """``states`` (..., heads * head_dim) with each head's pairs re-based by its K/V head's ``bases``
+    (``folded_pair_bases``), the same mix on both components; ``query_to_kv`` maps query heads to K/V heads (None:
+    the heads are the K/V heads). A projection's weight (heads * head_dim, hidden) is mixed as its transpose."""
+    half = head_dim // 2
+    shaped = states.double().reshape(*states.shape[:-1], -1, 2, half)
+    per_head = bases if query_to_kv is None else bases[torch.as_tensor(list(query_to_kv), dtype=torch.long,
+                                                                        device=bases.device)]
+    if per_head.shape[0] != shaped.shape[-3]:
+        raise ValueError(f'{shaped.shape[-3]} heads in the states but bases for {per_head.shape[0]}')
+    mixed = torch.einsum('...hci,hij->...hcj', shaped, per_head.to(shaped.device))
+    return mixed.reshape(states.shape).to(states.dtype)
+
+
+def pair_key_cross_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
+                          head_dim: int) -> torch.Tensor:
+    """(pairs, G, pairs, G) float64: the key energy across pairs and heads, both components summed (block ``(i,
+    i)`` is ``M_i``)."""
+    half = head_dim // 2
+    rows = k_weight.double().reshape(kv_heads, 2, half, -1).permute(1, 2, 0, 3)  # (component, pair, G, hidden)
+    if covariance is None:
+        return torch.einsum('cpgh,cqkh->pgqk', rows, rows)
+    return torch.einsum('cpgh,hj,cqkj->pgqk', rows, covariance.double(), rows)
 
 
 def rope_dims(kept_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:

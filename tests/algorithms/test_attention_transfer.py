@@ -98,7 +98,8 @@ def test_a_deepseek_format_student_is_taught_by_the_source_at_the_sources_own_po
     from transformers import DeepseekV3ForCausalLM
 
     from dha_train.conversion.deepseek import deepseek_config, layer_weights
-    from dha_train.ops.deepseek import pair_key_cross_energy, shared_key_mix, strided_pairs
+    from dha_train.ops.deepseek import shared_key_mix, strided_pairs
+    from dha_train.ops.mla import pair_key_cross_energy
 
     save_tiny_llama(tmp_path / 'source', tokenizer_dir, seed=11)
     source = AutoModelForCausalLM.from_pretrained(tmp_path / 'source').eval()

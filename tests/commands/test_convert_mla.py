@@ -4,6 +4,8 @@ cache holds what the report and the method registry say; bad requests are named 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -46,6 +48,39 @@ def test_whole_budget_with_every_pair_kept_is_the_source(gqa_source, tmp_path, r
     assert report['ranks'] == [KV_HEADS * HEAD_DIM] * LAYERS and report['fraction_of_source'] == 1.0
     ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(tmp_path / 'mla', ids), _logits(gqa_source, ids), rtol=0, atol=1e-5)
+
+
+def test_freq_fold_is_exact_where_its_assumptions_hold_and_plain_pairs_are_not(tmp_path, tokenizer_dir):
+    """FreqFold's two conditions, made true: every frequency equal (rope_theta 1) and each window's keys rank one
+    across its pairs. The folded conversion at the whole budget is then the source, with half the pairs kept
+    rotated; keeping half the source pairs as they are is not."""
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=384, hidden_size=HEADS * HEAD_DIM, intermediate_size=48, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=256, rope_theta=1.0)
+    model = LlamaForCausalLM(config)
+    half, fold = HEAD_DIM // 2, 2
+    with torch.no_grad():
+        for layer in model.model.layers:
+            rows = torch.zeros(KV_HEADS, 2, half, config.hidden_size)  # (head, component, pair, hidden)
+            for head, first in itertools.product(range(KV_HEADS), range(0, half, fold)):
+                # one mix of the window's pairs, the same on both components: rank one across the pairs
+                rows[head, :, first:first + fold] = torch.randn(fold, 1) * torch.randn(2, 1, config.hidden_size) * 2
+            layer.self_attn.k_proj.weight.copy_(rows.reshape(-1, config.hidden_size))
+    model.save_pretrained(tmp_path / 'source')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'source')
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(1))
+    source = _logits(tmp_path / 'source', ids)
+    errors = {}
+    for freq_fold in (1, fold):
+        report = convert_to_mla(tmp_path / 'source', tmp_path / f'fold{freq_fold}', MlaSettings(
+            cache_fraction=1.0, rope_pairs=half // fold, freq_fold=freq_fold, pair_criterion='uniform',
+            factorisation='weight', rank_step=1))
+        assert report['freq_fold'] == freq_fold
+        errors[freq_fold] = (float((_logits(tmp_path / f'fold{freq_fold}', ids) - source).abs().max()),
+                             report['rope_energy_kept'])
+    assert errors[fold][0] < 1e-4 and errors[fold][1] == pytest.approx(1.0)
+    assert errors[1][0] > 1e-2 and errors[1][1] < 0.9, errors
 
 
 def test_a_third_of_the_cache_calibrated_holds_the_stated_bytes(gqa_source, tmp_path, data_root, capsys):
@@ -117,7 +152,10 @@ def test_a_deepseek_format_export_loads_in_transformers_own_class_and_decodes_wi
      'mean_pool: --cache-fraction, --balance apply only to --method mla'),
     (['--method', 'mla', '--cache-fraction', '0.5', '--latent-norm-fit', 'scalar', '--no-latent-pin'],
      '--latent-norm-fit, --no-latent-pin apply only to --format deepseek'),
-    (['--method', 'mla', '--cache-fraction', '0.5', '--freq-fold', '2'], '--freq-fold apply only to --format deepseek'),
+    (['--method', 'mla', '--cache-fraction', '0.5', '--rope-pairs', '3', '--freq-fold', '2', '--pair-criterion',
+      'uniform', '--factorisation', 'weight'], 'has only 2 windows of 2 pairs'),
+    (['--method', 'mla', '--cache-fraction', '0.5', '--freq-fold', '0', '--pair-criterion', 'uniform',
+      '--factorisation', 'weight'], '--freq-fold >= 1'),
     (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--no-latent-pin', '--data', 'x'],
      '--no-latent-pin applies to --latent-norm-fit regression or scalar'),
     (['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--freq-fold', '0', '--data', 'x'],

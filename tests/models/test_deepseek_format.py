@@ -13,7 +13,8 @@ import torch
 from transformers import DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dha_train.conversion.deepseek import deepseek_config, layer_weights
-from dha_train.ops.deepseek import pair_key_cross_energy, shared_key_mix, strided_pairs
+from dha_train.ops.deepseek import shared_key_mix, strided_pairs
+from dha_train.ops.mla import pair_key_cross_energy
 
 HEADS, HEAD_DIM, LAYERS = 4, 8, 2
 

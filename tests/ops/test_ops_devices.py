@@ -14,10 +14,13 @@ import torch
 from dha_train.ops import alignment, deepseek, refit, similarity
 from dha_train.ops.mla import (
     BALANCES,
+    folded_pair_bases,
     joint_latent_rows,
     kept_rope_pairs,
     latent_energies,
+    mix_head_pairs,
     mla_layer_weights,
+    pair_key_cross_energy,
     rope_pair_scores,
 )
 
@@ -64,11 +67,15 @@ def _mla_and_deepseek_conversion_maths(inputs, balance) -> list[torch.Tensor]:
     q, k, v, x, covariance = inputs['q'], inputs['k'], inputs['v'], inputs['x'], inputs['covariance']
     scores = rope_pair_scores(x @ q.T, x @ k.T, DIM, [0, 0, 1, 1])
     kept = kept_rope_pairs(KV_HEADS, DIM, 2, 'norm', scores)
+    bases, centres, fold_energy = folded_pair_bases(pair_key_cross_energy(k, covariance, KV_HEADS, DIM), 2)
+    folded_keys = mix_head_pairs(x @ k.T, bases, DIM)
+    kept_folded = kept_rope_pairs(KV_HEADS, DIM, 2, 'norm', rope_pair_scores(
+        mix_head_pairs(x @ q.T, bases, DIM, [0, 0, 1, 1]), folded_keys, DIM, [0, 0, 1, 1]), centres)
     rows, scales = joint_latent_rows(k, v, kept, DIM, covariance, balance)
     spectrum = latent_energies(rows, covariance, scales)
     converted = mla_layer_weights(k, v, kept, DIM, 6, covariance, balance)
-    mix, _ = deepseek.shared_key_mix(deepseek.pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2])
-    folded, _ = deepseek.shared_key_mix(deepseek.pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2], 2, 2)
+    mix, _ = deepseek.shared_key_mix(pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2])
+    folded, _ = deepseek.shared_key_mix(pair_key_cross_energy(k, covariance, KV_HEADS, DIM), [0, 2], 2, 2)
     layer = deepseek.deepseek_attention_weights(q, k, v, HEADS, KV_HEADS, DIM, mix, 6, covariance,
                                                 balance, pin_inputs=x)
     fitted = deepseek.latent_norm_fit('regression', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
@@ -76,7 +83,8 @@ def _mla_and_deepseek_conversion_maths(inputs, balance) -> list[torch.Tensor]:
     linear = deepseek.latent_norm_fit('linear', layer['up'], layer['kv_a_proj_with_mqa.weight'][:6],
                                       layer['targets'], x)
     kv_b = deepseek.kv_b_weight(fitted, HEADS, KV_HEADS, DIM)
-    return [spectrum, *converted.values(), *layer.values(), kv_b, *linear, folded]
+    return [spectrum, *converted.values(), *layer.values(), kv_b, *linear, folded, bases, fold_energy, folded_keys,
+            kept_folded.double()]
 
 
 def test_alignment_similarity_and_refit_maths(inputs):

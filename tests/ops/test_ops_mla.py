@@ -12,12 +12,16 @@ from dha_train.ops.mla import (
     allocate_latent_ranks,
     balance_scales,
     cache_values_per_token,
+    fold_windows,
+    folded_pair_bases,
     head_rows,
     kept_rope_pairs,
     latent_factors,
     latent_spectrum,
     left_out_energy,
+    mix_head_pairs,
     nope_dims,
+    pair_key_cross_energy,
     pair_norms,
     rope_dims,
     rope_pair_scores,
@@ -77,6 +81,56 @@ def test_kept_pairs_by_norm_uniform_and_high_frequency():
         kept_rope_pairs(2, HEAD_DIM, 2, 'norm')
     with pytest.raises(ValueError, match='criterion'):
         kept_rope_pairs(2, HEAD_DIM, 2, 'largest')
+
+
+def test_kept_pairs_with_a_fold_are_chosen_among_the_window_centres():
+    scores = torch.tensor([[0.1, 5.0, 0.2, 3.0], [9.0, 0.0, 1.0, 1.0]])
+    centres = torch.tensor([[0, 3], [1, 2]])  # one candidate per window of two pairs
+    assert kept_rope_pairs(2, HEAD_DIM, 1, 'norm', scores, centres).tolist() == [[3], [2]]
+    assert kept_rope_pairs(2, HEAD_DIM, 1, 'uniform', centres=centres).tolist() == [[0], [1]]
+    assert kept_rope_pairs(2, HEAD_DIM, 2, 'high_frequency', centres=centres).tolist() == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match='2 candidate pairs'):
+        kept_rope_pairs(2, HEAD_DIM, 3, 'uniform', centres=centres)
+
+
+@pytest.mark.parametrize('fold', [1, 3])
+def test_fold_bases_are_orthogonal_per_window_keep_the_top_energy_and_every_position_free_score(fold):
+    """FreqFold per K/V head: an orthogonal re-basis inside each window (pairs 0-2 and 3 at a fold of 3), the same
+    for a K/V head and its query heads, so q . k is unchanged; the component at each window's centre holds the
+    window's top key energy, at least any one pair's own."""
+    generator = torch.Generator().manual_seed(4)
+    kv_heads, hidden, half = 2, 12, HEAD_DIM // 2
+    k_weight = torch.randn(kv_heads * HEAD_DIM, hidden, dtype=torch.float64, generator=generator)
+    q_weight = torch.randn(4 * HEAD_DIM, hidden, dtype=torch.float64, generator=generator)
+    inputs = torch.randn(64, hidden, dtype=torch.float64, generator=generator)
+    covariance = inputs.T @ inputs / 64
+    bases, centres, kept = folded_pair_bases(pair_key_cross_energy(k_weight, covariance, kv_heads, HEAD_DIM), fold)
+    windows = fold_windows(half, fold)
+    assert windows == ([[0], [1], [2], [3]] if fold == 1 else [[0, 1, 2], [3]])
+    for head in range(kv_heads):
+        torch.testing.assert_close(bases[head].T @ bases[head], torch.eye(half, dtype=torch.float64))
+        inside = torch.zeros(half, half, dtype=torch.bool)
+        for window in windows:
+            inside[window[0]:window[-1] + 1, window[0]:window[-1] + 1] = True
+        assert not bases[head][~inside].any()
+    if fold == 1:
+        torch.testing.assert_close(bases, torch.eye(half, dtype=torch.float64).expand(kv_heads, half, half))
+        assert centres.tolist() == [[0, 1, 2, 3]] * kv_heads
+    query_to_kv = [0, 0, 1, 1]
+    keys, queries = inputs @ k_weight.T, inputs @ q_weight.T
+    mixed_keys = mix_head_pairs(keys, bases, HEAD_DIM)
+    mixed_queries = mix_head_pairs(queries, bases, HEAD_DIM, query_to_kv)
+    for head, kv in enumerate(query_to_kv):
+        q, k = (slice(head * HEAD_DIM, (head + 1) * HEAD_DIM), slice(kv * HEAD_DIM, (kv + 1) * HEAD_DIM))
+        torch.testing.assert_close(mixed_queries[:, q] @ mixed_keys[:, k].T, queries[:, q] @ keys[:, k].T)
+    pair_energy = lambda states, head, pair: float(  # noqa: E731
+        (states[:, head * HEAD_DIM + pair] ** 2 + states[:, head * HEAD_DIM + pair + half] ** 2).mean())
+    torch.testing.assert_close(inputs @ mix_head_pairs(k_weight.T, bases, HEAD_DIM), mixed_keys)  # weights as states
+    for head, (window_index, window) in itertools.product(range(kv_heads), enumerate(windows)):
+        centre = int(centres[head, window_index])
+        assert centre in window
+        assert pair_energy(mixed_keys, head, centre) == pytest.approx(float(kept[head, window_index]))
+        assert float(kept[head, window_index]) >= max(pair_energy(keys, head, pair) for pair in window) - 1e-9
 
 
 def test_rope_and_nope_dims_split_every_head():
