@@ -55,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           'head; loads with trust_remote_code); deepseek: transformers\' own DeepseekV3ForCausalLM '
                           '(one rank, one RoPE key shared by all heads), the format serving engines\' MLA kernels run')
     mla.add_argument('--rope-pairs', type=int, default=None,
-                     help=f'RoPE pairs kept rotated: per K/V head (default {defaults.rope_pairs}), or with --format '
-                          'deepseek in the shared RoPE key (default: 5/8 of the head\'s pairs, the key at most a '
-                          'third of the cached numbers)')
+                     help='RoPE pairs kept rotated: per K/V head (default: the rotated keys take 3/8 of the cached '
+                          'numbers, 3/8 x fraction x head_dim pairs), or with --format deepseek in the shared RoPE key '
+                          '(default: 5/8 of the head\'s pairs, the key at most a third of the cached numbers)')
     mla.add_argument('--pair-criterion', choices=PAIR_CRITERIA, default=None,
                      help=f'which pairs each K/V head keeps (default {defaults.pair_criterion}; not with deepseek, '
                           'whose pairs are strided)')
@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help='FreqFold. deepseek: this many consecutive slots of the shared RoPE key share one analysis '
                           'of every source pair their frequencies span (default 2). The MLA class: each K/V head\'s '
                           'pairs are cut into windows of this many, and a kept pair holds the top component of its '
-                          f'window (default {defaults.freq_fold}). 1: each kept pair is a source pair as it is')
+                          'window (default: the widest windows that leave one per kept pair). 1: each kept pair is a '
+                          'source pair as it is')
     mla.add_argument('--no-latent-pin', dest='pin', action='store_const', const=False, default=None,
                      help='deepseek, with --latent-norm-fit regression or scalar: no pin channel (by default, each '
                           'layer where it lowers the held-out error gets one latent channel that holds the latent\'s '

@@ -10,7 +10,7 @@ token (the unit of every method's KV bytes): ``ranks + kv_heads * 2 * pairs`` pe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,10 +46,11 @@ FACTORISATIONS = ('activation', 'weight')
 @dataclass
 class MlaSettings:
     cache_fraction: float  # of the source's K+V cache numbers per token
-    rope_pairs: int = 4  # RoPE pairs kept per K/V head (2 * pairs rotated key dims)
+    # RoPE pairs kept per K/V head (2 * pairs rotated key dims); None: default_rope_pairs
+    rope_pairs: int | None = None
     # FreqFold per K/V head (ops.mla): each kept pair holds the top component of a window of this many consecutive
-    # pairs; 1 keeps source pairs as they are
-    freq_fold: int = 1
+    # pairs; 1 keeps source pairs as they are; None: default_freq_fold
+    freq_fold: int | None = None
     pair_criterion: str = 'norm'  # norm (MHA2MLA 2-norm), uniform, high_frequency
     ranks: str = 'spectrum'  # uniform or spectrum (allocated over the layers)
     factorisation: str = 'activation'  # activation (calibration covariance) or weight (plain SVD)
@@ -64,10 +65,31 @@ class MlaSettings:
     device: str = 'cpu'
 
 
-def default_rope_pairs(dims_per_head: int) -> int:
-    """RoPE pairs the benches keep rotated per K/V head: an eighth of the pairs (SmolLM2's 64-dim heads: 4 of 32,
-    i.e. 8 rotated dims, as MHA2MLA's small settings), at least one."""
-    return max(1, dims_per_head // 16)
+# The rotated keys' share of the cached numbers by default. Chosen on a validation text no conversion calibrates on
+# (vim's help, 512 tokens a sequence), SmolLM2-135M at a third and two thirds of its cache, with the default fold
+# (docs/methods/mla.md): 3/8 was best at both (8 and 16 pairs of 32 per K/V head).
+ROPE_BUDGET_SHARE = 3 / 8
+
+
+def default_rope_pairs(dims_per_head: int, cache_fraction: float) -> int:
+    """RoPE pairs kept per K/V head by default: the rotated keys take ``ROPE_BUDGET_SHARE`` of the cached numbers,
+    ``2 * pairs`` a K/V head against the source's ``2 * head_dim``, so ``share * fraction * head_dim`` pairs, within
+    1..head_dim / 2."""
+    return max(1, min(dims_per_head // 2, math.floor(ROPE_BUDGET_SHARE * cache_fraction * dims_per_head + 1e-9)))
+
+
+def default_freq_fold(dims_per_head: int, rope_pairs: int) -> int:
+    """The fold by default: the widest windows that still leave one window per kept pair, so the kept pairs hold
+    the top components of (nearly) all the head's pairs (8 pairs of 32: windows of 4)."""
+    return max(1, (dims_per_head // 2) // rope_pairs) if rope_pairs else 1
+
+
+def resolved_settings(settings: MlaSettings, dims_per_head: int) -> MlaSettings:
+    """The settings with the RoPE pairs and the fold their defaults give for this head size."""
+    pairs = (default_rope_pairs(dims_per_head, settings.cache_fraction) if settings.rope_pairs is None
+             else settings.rope_pairs)
+    fold = default_freq_fold(dims_per_head, pairs) if settings.freq_fold is None else settings.freq_fold
+    return replace(settings, rope_pairs=pairs, freq_fold=fold)
 
 
 def check_settings(settings: MlaSettings) -> None:
@@ -79,7 +101,8 @@ def check_settings(settings: MlaSettings) -> None:
                                  ('--balance', settings.balance, BALANCES)):
         if value not in allowed:
             raise ConfigError(f"mla: {name} must be one of {', '.join(allowed)}, got '{value}'")
-    if settings.rope_pairs < 0 or settings.rank_step < 1 or settings.tokens < 1 or settings.freq_fold < 1:
+    if ((settings.rope_pairs is not None and settings.rope_pairs < 0) or settings.rank_step < 1 or settings.tokens < 1
+            or (settings.freq_fold is not None and settings.freq_fold < 1)):
         raise ConfigError('mla: --rope-pairs must be >= 0, --rank-step, --tokens and --freq-fold >= 1')
     if settings.data is None and (settings.pair_criterion == 'norm' or settings.factorisation == 'activation'):
         raise ConfigError('mla: the 2-norm pair criterion and the activation-aware factorisation need calibration '
@@ -116,6 +139,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     check_model_folder(model_dir, who='convert --method mla')
     refuse_nonempty(out_dir, overwrite)
     config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    settings = resolved_settings(settings, head_dim(config))
     total_latent, source_values = latent_budget(config, settings)
     model, source = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
     dim, kv_heads = head_dim(config), config.num_key_value_heads

@@ -39,7 +39,7 @@ from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops import refit as fit
 from dha_train.ops.heads import split_heads
-from dha_train.ops.mla import nope_dims
+from dha_train.ops.mla import mix_head_pairs, nope_dims, recovered_pair_bases
 from dha_train.paths import refuse_nonempty, staged_folder
 
 REFIT_REPORT = 'refit.json'
@@ -190,13 +190,15 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
                                                     attention_modules(converted_model))):
         gram = _layer_gram(stats, index)
         source = _attention_weights(source_attn)
-        q_converted = attn.q_proj.weight.detach().double()
-        query_source, mismatch = match_query_heads(source['q'], q_converted, head_dim)
-        if query_source != list(range(len(query_source))) or mismatch > MATCH_TOLERANCE:
-            raise RefitError(f'refit: layer {index}: the MLA model\'s query heads are not the source\'s (relative '
-                             f'mismatch {mismatch:.2g}): was it converted from this source?')
         down = attn.kv_down_proj.weight.detach().double()
         kv_heads, group = attn.num_kv_heads, attn.num_key_value_groups
+        # the conversion's FreqFold re-based each K/V head's pairs, queries and keys alike (the identity without one):
+        # read it off the queries and re-base the source's keys the same way
+        bases, mismatch = recovered_pair_bases(source['q'], attn.q_proj.weight.detach(), head_dim, kv_heads)
+        if mismatch > MATCH_TOLERANCE:
+            raise RefitError(f'refit: layer {index}: the MLA model\'s query heads are not the source\'s (relative '
+                             f'mismatch {mismatch:.2g}): was it converted from this source?')
+        source_keys = mix_head_pairs(source['k'].double().T, bases, head_dim).T
         up_value = attn._split_up()[1].detach().double()
         o_blocks = fit.output_blocks(source['o'], head_dim)
         before = _mla_value_output_error(source, attn, up_value,
@@ -204,7 +206,7 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
                                          head_dim)
         kept = torch.tensor(converted_model.config.layer_layout(index)[1], dtype=torch.long)
         nope = nope_dims(kept, head_dim)
-        k_heads, v_heads = split_heads(source['k'], head_dim), split_heads(source['v'], head_dim)
+        k_heads, v_heads = split_heads(source_keys, head_dim), split_heads(source['v'], head_dim)
         new_keys, new_values, new_o = [], [], o_blocks.clone()
         for kv in range(kv_heads):
             key_rows, latent_gram = fit.regress_onto_latent(k_heads[kv][nope[kv]], gram, down)

@@ -159,6 +159,25 @@ def mix_head_pairs(states: torch.Tensor, bases: torch.Tensor, head_dim: int,
     return mixed.reshape(states.shape).to(states.dtype)
 
 
+def recovered_pair_bases(source_queries: torch.Tensor, converted_queries: torch.Tensor, head_dim: int,
+                         kv_heads: int) -> tuple[torch.Tensor, float]:
+    """(bases (G, pairs, pairs), relative mismatch): the per-K/V-head pair re-basis that takes a source's query
+    projection (heads * head_dim, hidden) to a converted one, ``converted = mix_head_pairs(source.T, bases).T``, by
+    least squares over every query head of the K/V head (contiguous groups). The identity for a conversion without
+    FreqFold; the mismatch (relative Frobenius residual) is large for one made from another source."""
+    half = head_dim // 2
+
+    def by_pair(weight: torch.Tensor) -> torch.Tensor:  # (G, pairs, group * 2 * hidden)
+        shaped = weight.double().reshape(kv_heads, -1, 2, half, weight.shape[-1])
+        return shaped.permute(0, 3, 1, 2, 4).reshape(kv_heads, half, -1)
+
+    source, converted = by_pair(source_queries), by_pair(converted_queries)
+    # converted[j] = sum_i bases[i, j] source[i]  <=>  source^T bases = converted^T
+    bases = torch.linalg.lstsq(source.transpose(1, 2), converted.transpose(1, 2)).solution
+    residual = source.transpose(1, 2) @ bases - converted.transpose(1, 2)
+    return bases, float(residual.norm() / converted.norm().clamp_min(1e-30))
+
+
 def pair_key_cross_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
                           head_dim: int) -> torch.Tensor:
     """(pairs, G, pairs, G) float64: the key energy across pairs and heads, both components summed (block ``(i,

@@ -108,8 +108,10 @@ def test_a_dha_model_keeps_its_class_and_head_map_and_gets_closer_to_the_source(
 def test_mla_at_full_rank_refits_to_the_source_and_a_third_keeps_its_bytes(tmp_path, tokenizer_dir, data_root, ids):
     save_tiny_llama(tmp_path / 'gqa', tokenizer_dir, seed=6, num_key_value_heads=4)
     full = tmp_path / 'mla-full'
-    convert_to_mla(tmp_path / 'gqa', full, MlaSettings(cache_fraction=1.0, rope_pairs=1, pair_criterion='uniform',
-                                                       factorisation='weight', ranks='uniform', rank_step=1))
+    # FreqFold over all 4 pairs re-bases queries and keys: the refit reads the re-basis off the queries
+    convert_to_mla(tmp_path / 'gqa', full, MlaSettings(cache_fraction=1.0, rope_pairs=1, freq_fold=4,
+                                                       pair_criterion='uniform', factorisation='weight',
+                                                       ranks='uniform', rank_step=1))
     refit_folder(tmp_path / 'gqa', full, tmp_path / 'refit-full', _settings(data_root))
     # full rank with 1 of 4 pairs rotated: the position-free dims lose RoPE, so compare with the conversion itself
     torch.testing.assert_close(_logits(tmp_path / 'refit-full', ids), _logits(full, ids), rtol=0, atol=1e-4)

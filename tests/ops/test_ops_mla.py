@@ -23,6 +23,7 @@ from dha_train.ops.mla import (
     nope_dims,
     pair_key_cross_energy,
     pair_norms,
+    recovered_pair_bases,
     rope_dims,
     rope_pair_scores,
 )
@@ -126,6 +127,13 @@ def test_fold_bases_are_orthogonal_per_window_keep_the_top_energy_and_every_posi
     pair_energy = lambda states, head, pair: float(  # noqa: E731
         (states[:, head * HEAD_DIM + pair] ** 2 + states[:, head * HEAD_DIM + pair + half] ** 2).mean())
     torch.testing.assert_close(inputs @ mix_head_pairs(k_weight.T, bases, HEAD_DIM), mixed_keys)  # weights as states
+    # what the refit reads off a converted folder's queries: these bases, or a large mismatch for another source
+    converted_queries = mix_head_pairs(q_weight.T, bases, HEAD_DIM, query_to_kv).T
+    recovered, mismatch = recovered_pair_bases(q_weight, converted_queries, HEAD_DIM, kv_heads)
+    torch.testing.assert_close(recovered, bases)
+    assert mismatch < 1e-10
+    assert recovered_pair_bases(torch.randn(q_weight.shape, dtype=torch.float64, generator=generator),
+                                converted_queries, HEAD_DIM, kv_heads)[1] > 0.5
     for head, (window_index, window) in itertools.product(range(kv_heads), enumerate(windows)):
         centre = int(centres[head, window_index])
         assert centre in window

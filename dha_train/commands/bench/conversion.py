@@ -46,12 +46,11 @@ from dha_train.callbacks.throughput_probe import ThroughputProbe
 from dha_train.config import ConfigError
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
-from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
-from dha_train.models.llama_layout import head_dim
 from dha_train.quickstart import run_quickstart
 from dha_train.stages import (
     DHA_NAME,
@@ -137,12 +136,12 @@ def _asym_gqa(run: Path, work: Path, kv_heads: int, batches: int | None, symmetr
     return {**row, 'after_conversion': ct['curve'][0][1], 'after_training': ct['final'], 'tokens': ct['tokens']}
 
 
-def mla_variants(rope_pairs: int) -> list[tuple[str, dict]]:
+def mla_variants() -> list[tuple[str, dict]]:
     """(name, MlaSettings changes) of the MLA rows: the default conversion first, then one choice changed each."""
     return [('default', {}), ('weight SVD', {'factorisation': 'weight'}), ('uniform pairs', {'pair_criterion': 'uniform'}),
             ('uniform ranks', {'ranks': 'uniform'}), ('no balance', {'balance': 'none'}),
             ('feature-norm balance', {'balance': 'feature_norm'}),
-            (f'{2 * rope_pairs} RoPE pairs', {'rope_pairs': 2 * rope_pairs})]
+            ('no FreqFold', {'freq_fold': 1})]
 
 
 def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: int | None, seed: int,
@@ -152,18 +151,18 @@ def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: in
     right after conversion; the default's after CT of ``batches`` (None: none), with and without distillation from
     the teacher. ``variants`` picks by name (default: all). Rows are appended to ``into`` (and ``save`` called) as
     they come."""
-    pairs = default_rope_pairs(head_dim(AutoConfig.from_pretrained(teacher, local_files_only=True)))
     rows = [] if into is None else into
-    for name, change in mla_variants(pairs):
+    for name, change in mla_variants():
         if variants is not None and name not in variants:
             continue
         print(f'[bench] MLA ({name}): convert at {fraction:.4g} of the K+V cache ...', flush=True)
         folder = work / f'bench-mla-{name.replace(" ", "-")}'
-        settings = MlaSettings(**{'cache_fraction': fraction, 'rope_pairs': pairs, 'data': str(data), 'rank_step': 1,
+        settings = MlaSettings(**{'cache_fraction': fraction, 'data': str(data), 'rank_step': 1,
                                   'seed': seed, **change})
         report = convert_to_mla(teacher, folder, settings, overwrite=True)
         mla_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        row = {'variant': name, 'settings': {k: v for k, v in vars(settings).items() if k != 'data'},
+        resolved = {'rope_pairs': report['rope_pairs'], 'freq_fold': report['freq_fold']}
+        row = {'variant': name, 'settings': {**{k: v for k, v in vars(settings).items() if k != 'data'}, **resolved},
                'ranks': report['ranks'], 'fraction_of_source': report['fraction_of_source'],
                'kv_bytes_per_token': kv_cache_bytes(mla_config, seq_len=1), 'after_training': None, 'tokens': 0}
         if name != 'default' or batches is None:

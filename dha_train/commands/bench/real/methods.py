@@ -16,7 +16,7 @@ from dha_train.commands.bench.real.settings import MOH_ACTIVE, moh_setting
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
-from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
@@ -246,18 +246,19 @@ class RealBench(StageRunner):
         s = self.settings
         name = f'mla-{budget}'
         fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
-        pairs = default_rope_pairs(self.source_map.head_dim)
-        settings = MlaSettings(cache_fraction=fraction, rope_pairs=pairs, data=str(self.train_data),
+        settings = MlaSettings(cache_fraction=fraction, data=str(self.train_data),
                                tokens=s.calib_tokens, batch_size=min(8, s.batch), rank_step=1, seed=s.seed,
                                device=s.device)
 
         def convert(out: Path) -> dict:
             report = convert_to_mla(self.source, out / 'hf', settings, overwrite=True)
-            return {'hf_folder': str(out / 'hf'), 'ranks': report['ranks'], 'rope_pairs': pairs,
+            return {'hf_folder': str(out / 'hf'), 'ranks': report['ranks'], 'rope_pairs': report['rope_pairs'],
+                    'freq_fold': report['freq_fold'],
                     'calibration_tokens': report['calibration_tokens']}
 
         converted = self.stage(self.runs, f'{name}-convert', convert, **self.calibration(settings))
-        extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])], 'rope_pairs': pairs,
+        extra = {'latent_ranks': [min(converted['ranks']), max(converted['ranks'])],
+                 'rope_pairs': converted['rope_pairs'], 'freq_fold': converted['freq_fold'],
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
         self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)

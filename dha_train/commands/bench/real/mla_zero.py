@@ -51,7 +51,7 @@ from dha_train.commands.bench.real.settings import RealSettings, resolve_setting
 from dha_train.config import ConfigError
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
-from dha_train.conversion.mla import MlaSettings, convert_to_mla, default_rope_pairs
+from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.data.prep import prep_redpajama
 from dha_train.evaluation import attention_output_errors, load_model, run_eval, validation_loss
@@ -295,15 +295,14 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                     'kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'latent_norm_fit', 'balance')}}
             return build, asdict(convert_settings)
         if row == 'mla':
-            convert_settings = MlaSettings(cache_fraction=fraction, rope_pairs=default_rope_pairs(dim),
-                                           data=str(train_data), tokens=settings.tokens, rank_step=1,
-                                           seed=settings.seed, device=real.device)
+            convert_settings = MlaSettings(cache_fraction=fraction, data=str(train_data), tokens=settings.tokens,
+                                           rank_step=1, seed=settings.seed, device=real.device)
 
             def build(out: Path) -> dict:
                 report = convert_to_mla(source, out / 'hf', convert_settings, overwrite=True)
                 return {'hf_folder': str(out / 'hf'), 'setting': {
-                    'rope_pairs': convert_settings.rope_pairs, 'latent_ranks': [min(report['ranks']),
-                                                                                max(report['ranks'])]}}
+                    'rope_pairs': report['rope_pairs'], 'freq_fold': report['freq_fold'],
+                    'latent_ranks': [min(report['ranks']), max(report['ranks'])]}}
             return build, asdict(convert_settings)
         if row == 'mean_pool_refit':
             refit_settings = RefitSettings(data=str(train_data), tokens=settings.tokens, seed=settings.seed,
