@@ -73,9 +73,9 @@ ROPE_BUDGET_SHARE = 3 / 8
 
 def default_rope_pairs(dims_per_head: int, cache_fraction: float) -> int:
     """RoPE pairs kept per K/V head by default: the rotated keys take ``ROPE_BUDGET_SHARE`` of the cached numbers,
-    ``2 * pairs`` a K/V head against the source's ``2 * head_dim``, so ``share * fraction * head_dim`` pairs, within
-    1..head_dim / 2."""
-    return max(1, min(dims_per_head // 2, math.floor(ROPE_BUDGET_SHARE * cache_fraction * dims_per_head + 1e-9)))
+    ``2 * pairs`` a K/V head against the source's ``2 * head_dim``, so ``share * fraction * head_dim`` pairs, rounded
+    (a fraction written 0.3333 gives what 1/3 does), within 1..head_dim / 2."""
+    return max(1, min(dims_per_head // 2, round(ROPE_BUDGET_SHARE * cache_fraction * dims_per_head)))
 
 
 def default_freq_fold(dims_per_head: int, rope_pairs: int) -> int:

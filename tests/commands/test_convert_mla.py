@@ -11,7 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.cli import main
-from dha_train.conversion.mla import MlaSettings, convert_to_mla
+from dha_train.conversion.mla import (
+    MlaSettings,
+    convert_to_mla,
+    default_freq_fold,
+    default_rope_pairs,
+    resolved_settings,
+)
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import read_model_card
 
@@ -48,6 +54,16 @@ def test_whole_budget_with_every_pair_kept_is_the_source(gqa_source, tmp_path, r
     assert report['ranks'] == [KV_HEADS * HEAD_DIM] * LAYERS and report['fraction_of_source'] == 1.0
     ids = torch.randint(0, 384, (2, 20), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(tmp_path / 'mla', ids), _logits(gqa_source, ids), rtol=0, atol=1e-5)
+
+
+def test_default_pairs_give_the_rotated_keys_three_eighths_of_the_cache_and_the_fold_one_window_each():
+    assert [default_rope_pairs(64, fraction) for fraction in (1 / 3, 0.3333, 2 / 3, 1.0)] == [8, 8, 16, 24]
+    assert default_rope_pairs(8, 0.05) == 1 and default_rope_pairs(8, 1.0) == 3
+    assert [default_freq_fold(64, pairs) for pairs in (8, 16, 11, 32, 0)] == [4, 2, 2, 1, 1]
+    settings = resolved_settings(MlaSettings(cache_fraction=1 / 3), 64)
+    assert (settings.rope_pairs, settings.freq_fold) == (8, 4)
+    assert resolved_settings(MlaSettings(cache_fraction=1 / 3, rope_pairs=4, freq_fold=1), 64) == MlaSettings(
+        cache_fraction=1 / 3, rope_pairs=4, freq_fold=1)
 
 
 def test_freq_fold_is_exact_where_its_assumptions_hold_and_plain_pairs_are_not(tmp_path, tokenizer_dir):
