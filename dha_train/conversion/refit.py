@@ -14,8 +14,9 @@ hidden x hidden Gram per layer, so memory does not grow with the tokens). Then, 
 
 Every other weight (embeddings, MLP, norms, the MLA latent and RoPE key projections) is the converted folder's.
 Which source query head each converted head comes from is read off the query weights (mean-pool keeps them,
-aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's B^T B unchanged). MoH keeps
-every K/V head, so there is nothing to refit: refused.
+aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's B^T B unchanged); for MLA, the
+FreqFold re-basis of each K/V head's pairs is read off them (least squares) and applied to the source's keys. MoH
+keeps every K/V head, so there is nothing to refit: refused.
 """
 
 from __future__ import annotations
