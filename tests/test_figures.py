@@ -24,6 +24,7 @@ HEADLINE_ROWS = {
     'servable DHA, healed': 'DHA-servable {budget} +KL',
     'MLA in DeepSeek\'s format, after transfer': 'MLA-DeepSeek {budget} +transfer',
     'MLA in DeepSeek\'s format, healed': 'MLA-DeepSeek {budget} +KL',
+    'MLA class (FreqFold per K/V head), healed': 'MLA {budget} +KL',
 }
 HEADLINE_COLUMNS = ('kv1', 'kv2')  # a third, two thirds of the cache
 
