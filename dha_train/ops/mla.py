@@ -180,8 +180,10 @@ def recovered_pair_bases(source_queries: torch.Tensor, converted_queries: torch.
 
 def pair_key_cross_energy(k_weight: torch.Tensor, covariance: torch.Tensor | None, kv_heads: int,
                           head_dim: int) -> torch.Tensor:
-    """(pairs, G, pairs, G) float64: the key energy across pairs and heads, both components summed (block ``(i,
-    i)`` is ``M_i``)."""
+    """(pairs, G, pairs, G) float64: the key energy ``sum over both components of E[k_gi k_hj]`` across pairs and
+    heads, from the key projection and the input covariance (the identity without one). Block ``(i, i)`` is pair
+    ``i``'s energy across heads (the shared RoPE key's, ``ops.deepseek``); ``[:, g, :, g]`` is head ``g``'s across
+    pairs (FreqFold's windows, ``folded_pair_bases``)."""
     half = head_dim // 2
     rows = k_weight.double().reshape(kv_heads, 2, half, -1).permute(1, 2, 0, 3)  # (component, pair, G, hidden)
     if covariance is None:
