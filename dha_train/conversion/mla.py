@@ -4,8 +4,9 @@ Per layer: each K/V head's RoPE pairs folded into windows (FreqFold, ``ops.mla``
 so the window's top component can stay rotated), the pairs each K/V head keeps (MHA2MLA's 2-norm criterion over
 calibration queries and keys, or a uniform / high-frequency choice, among the windows' candidates), then the
 position-free keys and the values factored jointly into a latent (activation-aware SVD whitened by the calibration
-covariance of the attention input, or plain weight SVD), with ranks uniform or allocated from the spectra. The budget is a fraction of the source's K+V cache, in cache numbers per
-token (the unit of every method's KV bytes): ``ranks + kv_heads * 2 * pairs`` per layer.
+covariance of the attention input, or plain weight SVD), with ranks uniform or allocated from the spectra. The
+budget is a fraction of the source's K+V cache, in cache numbers per token (the unit of every method's KV bytes):
+``ranks + kv_heads * 2 * pairs`` per layer.
 """
 
 from __future__ import annotations
@@ -176,9 +177,9 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
                 key_states = mix_head_pairs(key_states, bases.to(key_states.device), dim)
             scores = rope_pair_scores(query_states, key_states, dim, query_to_kv)
         kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores, centres))
-        folded = (cross if settings.freq_fold == 1
-                  else pair_key_cross_energy(attention.k_proj.weight.detach(), covariance, kv_heads, dim))
-        per_pair = torch.stack([folded[:, head, :, head].diagonal() for head in range(kv_heads)])  # (G, pairs)
+        # each pair's key energy after the fold, diag(B^T M B) per head: no second pass over the weights
+        head_energy = torch.stack([cross[:, head, :, head] for head in range(kv_heads)])  # (G, pairs, pairs)
+        per_pair = torch.einsum('gij,gik,gkj->gj', bases, head_energy, bases)  # (G, pairs)
         rotated_energy[0] += float(per_pair.gather(1, kept[-1].to(per_pair.device)).sum())
         rotated_energy[1] += float(per_pair.sum())
 
