@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with the transformers Auto classes)
 from dha_train import methods
 from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
 from dha_train.distributed import causal_lm_on_meta
-from dha_train.model_folders import check_model_folder, safetensors_files
+from dha_train.model_folders import load_causal_lm, load_model_config, safetensors_files
 from dha_train.models.llama_layout import is_decoder_block
 from dha_train.ops.deepseek import latent_eps_scale, latent_training_eps, scale_latent_rows
 
@@ -25,8 +25,7 @@ def build_llama_config(cfg: ModelConfig):
         path = Path(cfg.pretrained_path)
         if not (path / 'config.json').is_file():
             raise ConfigError(f'model.pretrained_path: no HF config.json in {path} (give a local HF model folder)')
-        check_model_folder(path, who='model.pretrained_path')
-        llama_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        llama_config = load_model_config(path, who='model.pretrained_path')
         if llama_config.model_type not in methods.trainable_model_types():
             raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; dha_train "
                               f"trains {', '.join(methods.trainable_model_types())} models")
@@ -61,8 +60,8 @@ def build_llama(cfg: ModelConfig, on_meta_device: bool = False):
     if on_meta_device:
         model = causal_lm_on_meta(llama_config)
     elif cfg.pretrained_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, config=llama_config,
-                                                     local_files_only=True, torch_dtype=torch.float32)
+        model = load_causal_lm(cfg.pretrained_path, who='model.pretrained_path', config=llama_config,
+                               torch_dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(llama_config, torch_dtype=torch.float32)
     if llama_config.model_type == 'deepseek_v3' and cfg.pretrained_path is not None:

@@ -1,22 +1,26 @@
-"""Checking a Composer checkpoint before anything loads it, and loading one without running arbitrary pickle code.
+"""Checking a Composer checkpoint before anything loads it, and loading one so that its data cannot act.
 
-Composer 0.32.1 resumes with ``torch.load(weights_only=False)``, i.e. plain pickle. Before a run hands it a
-``load_path`` or the checkpoint autoresume found, ``check_checkpoint`` refuses with one line naming the path anything
-that is not a whole Composer checkpoint: a truncated file (a torch.save file is a zip archive, and a cut one has lost
-its central directory at the end), a text or other foreign file, a torch.save of something else, a dangling latest
-link, a sharded folder whose ``.metadata`` or shard files are missing or short. For a file the check reads the zip
-directory and unpickles ``data.pkl`` with ``weights_only=True, mmap=True``: the tensor data is mapped, not read, so a
-7B checkpoint is not read twice, and a pickle naming anything but tensors, plain data and ``SAFE_GLOBALS`` is refused
-before Composer unpickles it. ``load_composer_state`` (export) is the same load and keeps the mapped tensors.
+Composer 0.32.1 resumes with ``torch.load(weights_only=False)`` and torch.distributed.checkpoint (torch 2.7) reads a
+sharded folder's ``.metadata`` and non-tensor items with plain pickle. Importing this module replaces each of those
+reads, for Composer, for export and for the pre-check alike, with one checked read whose object is the one used:
 
-Sharded folders run no code either: importing this module replaces torch.distributed.checkpoint's two plain-pickle
-reads, for this check and for Composer and export alike (Composer 0.32.1 and torch 2.7 execute whatever a
-``.metadata`` or a non-tensor item names): ``FileSystemReader.read_metadata`` first unpickles ``.metadata`` allowing
-only the DCP metadata classes, tensor sizes, dtypes and layouts and paths (``METADATA_GLOBALS``), and
-``DefaultLoadPlanner.load_bytes`` first reads each non-tensor item with ``weights_only=True`` and ``SAFE_GLOBALS``;
-torch's own read runs only on what passed (the same pickle then builds nothing else), whichever torch version. The check
-reads every non-tensor item of a sharded folder this way too (they are small), so a folder naming anything else is
-refused in one line before Composer sees it.
+- **whole files**: Composer's ``_torch_load_with_validation`` becomes ``torch_load`` (``weights_only=True`` with
+  exactly ``SAFE_GLOBALS``), so the file is checked at the moment Composer loads it, local or downloaded;
+- **``.metadata``**: ``FileSystemReader.read_metadata`` unpickles with ``_MetadataUnpickler`` (the DCP metadata
+  classes of ``METADATA_GLOBALS``, no BUILD on a class or a function, shard files named by base name) and returns that
+  object; torch's plain-pickle read never runs;
+- **non-tensor items**: ``DefaultLoadPlanner.load_bytes`` keeps the object ``check_byte_item`` unpickled;
+- **numpy**: the RNG state's arrays are rebuilt from a fresh plain dtype (``_PickledDtype``, ``_CheckedArray``): a
+  dtype re-stated with fields, object type or flags is refused, so no array can read raw bytes as pointers;
+- **tar archives**: Composer would extract one (``download_checkpoint``); refused, local or remote.
+
+Before a run hands Composer a local ``load_path`` or the checkpoint autoresume found, ``check_checkpoint`` refuses
+with one line naming the path anything that is not a whole Composer checkpoint: a truncated file (a torch.save file is
+a zip archive, and a cut one has lost its central directory at the end), a text or other foreign file, a torch.save of
+something else, a dangling latest link, a sharded folder whose ``.metadata`` or shard files are missing or short, and
+everything the readers above refuse. For a file the check unpickles ``data.pkl`` with ``mmap=True``: the tensor data is
+mapped, not read, so a 7B checkpoint is not read twice. ``load_composer_state`` (export) is the same load and keeps
+the mapped tensors.
 
 Not checked: bit flips inside tensor data (that would mean reading every byte).
 """
@@ -29,29 +33,94 @@ import os
 import pickle
 import re
 import tempfile
+import types
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 import torch
+from composer.checkpoint import load as composer_checkpoint_load
 from composer.utils import checkpoint as composer_checkpoint
+from composer.utils.file_helpers import is_tar
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.torch_version import TorchVersion
 
 from dha_train.errors import DhaTrainError, OutputExistsError
+from dha_train.untrusted import UntrustedDataError, check_tokenizer_entries, config_fields
 
 LATEST = 'latest-rank0.pt'  # Composer's link to the newest checkpoint in a save_folder (rank 0's)
 # Composer's default save_filename as rank 0 writes it (dha-train sets no other): ep{epoch}-ba{batch}-rank0.pt
 _RANK0_CHECKPOINT = re.compile(r'ep(\d+)-ba(\d+)-rank0\.pt')
 SHARDED_METADATA = '.metadata'
 
-# numpy's array rebuilder (numpy._core.multiarray._reconstruct in numpy 2, numpy.core.multiarray's in numpy 1).
-_np_reconstruct = np.zeros(0).__reduce__()[0]
+
+class CheckpointError(DhaTrainError, ValueError):
+    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint that names code to run, or forges an object: refused before anything of it runs."""
+
+
+# numpy's RNG state (``rng[*].numpy``) is the one numpy object a Composer checkpoint holds: a plain uint32 array (the
+# MT19937 key). Its pickle calls numpy.dtype('u4', False, True), BUILDs the dtype with its state, then numpy's
+# _reconstruct(ndarray, (0,), b'b') and BUILDs the array with (version, shape, dtype, fortran, raw bytes). A dtype's
+# state can add fields of object type with the flags cleared, and the array's raw bytes are then read as object
+# pointers. So dha-train's reader builds neither numpy class from the pickle: 'numpy.dtype' builds a ``_PickledDtype``
+# that takes only the exact state of a plain dtype of ``PLAIN_DTYPES``, and 'numpy.ndarray' a ``_CheckedArray`` whose
+# state must carry such a dtype and exactly the bytes its shape needs; the array is made with a fresh
+# ``np.dtype(spec)``, never with a dtype the pickle stated.
+PLAIN_DTYPES = ('u4',)
+
+
+class _PickledDtype:
+    """A checkpoint's numpy dtype as dha-train reads it: the name of a plain dtype, checked; not a numpy dtype."""
+
+    def __init__(self, spec: Any, align: Any = False, copy: Any = True):
+        if not (isinstance(spec, str) and spec in PLAIN_DTYPES and align in (False, 0) and copy in (True, 1)):
+            raise UnsafeCheckpointError(f'it holds a numpy dtype {spec!r}, not one of the plain dtypes of a '
+                                        f"checkpoint's RNG state ({', '.join(PLAIN_DTYPES)})")
+        self.spec = spec
+
+    def __setstate__(self, state: Any) -> None:
+        if state != np.dtype(self.spec).__reduce__()[2]:
+            raise UnsafeCheckpointError(f'it re-states numpy dtype {self.spec} with fields, an object type or '
+                                        'flags; only the plain dtype is allowed')
+
+
+class _CheckedArray(np.ndarray):
+    """A checkpoint's numpy array as dha-train reads it: a plain dtype of ``PLAIN_DTYPES`` and exactly the bytes its
+    shape needs (an ndarray subclass, so numpy's RNG takes it as it is)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], _PickledDtype)):
+            raise UnsafeCheckpointError('it holds a numpy array whose state is not the plain (version, shape, '
+                                        'dtype, order, bytes) form of a plain dtype')
+        version, shape, dtype, fortran, raw = state
+        plain = np.dtype(dtype.spec)
+        if not (version == 1 and isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)
+                and fortran in (False, True) and type(raw) is bytes
+                and len(raw) == plain.itemsize * int(np.prod(shape, dtype=np.int64))):
+            raise UnsafeCheckpointError(f'it holds a numpy {dtype.spec} array whose shape, order and bytes do not '
+                                        'fit together')
+        super().__setstate__((version, shape, plain, fortran, raw))
+
+    def __reduce__(self):  # saved again (export's gather of a sharded folder) as the plain ndarray it stands for
+        return self.view(np.ndarray).__reduce__()
+
+
+def _checked_reconstruct(subtype: Any, shape: Any, dtype: Any) -> _CheckedArray:
+    """numpy's ``_reconstruct`` as dha-train's reader allows it: the empty array numpy's own pickles start from."""
+    if subtype is not _CheckedArray or shape != (0,) or dtype != b'b':
+        raise UnsafeCheckpointError('it rebuilds a numpy array otherwise than numpy pickles a plain ndarray')
+    return _CheckedArray((0,), dtype='b')
+
 
 # Every non-tensor type a Composer 0.32.1 checkpoint written by `dha-train train` holds, as
 # torch.serialization.get_unsafe_globals_in_checkpoint lists them for full and sharded (gathered) checkpoints with
@@ -59,13 +128,12 @@ _np_reconstruct = np.zeros(0).__reduce__()[0]
 SAFE_GLOBALS: list[Any] = [
     datetime.timedelta,  # state.timestamp: the wall-clock times
     TorchVersion,  # state.metadata: the torch version that wrote the checkpoint
-    # rng[*].numpy: numpy's global RNG state, a uint32 array. Its dtype unpickles as np.dtype('u4'), an instance of
-    # numpy.dtypes.UInt32DType, which torch must also be allowed to build.
-    np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-    # numpy's array rebuilder, under the name numpy 2 pickles it with and the name numpy 1 does (the numpy pin allows
-    # both, and a checkpoint may move between them).
-    (_np_reconstruct, 'numpy._core.multiarray._reconstruct'),
-    (_np_reconstruct, 'numpy.core.multiarray._reconstruct'),
+    # rng[*].numpy: numpy's RNG state, built by the checked stand-ins above under the names numpy pickles with (numpy
+    # 2's _core and numpy 1's core: the numpy pin allows both, and a checkpoint may move between them).
+    (_PickledDtype, 'numpy.dtype'),
+    (_CheckedArray, 'numpy.ndarray'),
+    (_checked_reconstruct, 'numpy._core.multiarray._reconstruct'),
+    (_checked_reconstruct, 'numpy.core.multiarray._reconstruct'),
 ]
 
 
@@ -81,14 +149,6 @@ METADATA_GLOBALS = frozenset({
 })
 
 
-class CheckpointError(DhaTrainError, ValueError):
-    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
-
-
-class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint that names code to run: refused before anything of it runs."""
-
-
 def _refused_type(exc: Exception) -> str | None:
     """The type torch's weights_only unpickler refused: 'GLOBAL os.system ...' or 'Can only build ..., but got
     <class 'x.Y'>'."""
@@ -96,8 +156,12 @@ def _refused_type(exc: Exception) -> str | None:
     return (refused.group(1) or refused.group(2)) if refused else None
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` building only ``METADATA_GLOBALS`` and torch dtypes."""
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked, the C one's cannot
+    """Unpickles a DCP ``.metadata`` building only ``METADATA_GLOBALS`` and torch dtypes, with BUILD only on
+    instances of the allowed classes (never on a class, a function or a module: that would set attributes on them
+    for the whole process)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in METADATA_GLOBALS or (module == 'torch' and isinstance(getattr(torch, name, None),
@@ -106,50 +170,110 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names {module}.{name}, which a torch.distributed.checkpoint '
                                     'metadata file does not hold; dha-train refuses to unpickle it')
 
+    def load_build(self) -> None:
+        target = self.stack[-2]  # BUILD's operands: the object, then its state on top
+        allowed = type(target).__module__, type(target).__name__
+        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)) \
+                or allowed not in METADATA_GLOBALS:
+            raise UnsafeCheckpointError(f'its {SHARDED_METADATA} sets the state of {target!r:.80}, which is not an '
+                                        'instance of a metadata class; dha-train refuses to unpickle it')
+        super().load_build()
 
-def _checked_metadata_reader(read_metadata):
-    """``FileSystemReader.read_metadata`` that first unpickles the ``.metadata`` file with ``_MetadataUnpickler``:
-    torch's own read (plain pickle) then only ever sees a file that builds nothing else."""
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_checked_metadata(path: str | Path) -> dcp_metadata.Metadata:
+    """A sharded folder's ``.metadata``, unpickled once by ``_MetadataUnpickler``, with every shard file it names a
+    plain file name inside the folder (Composer downloads remote shards to those names)."""
+    with open(Path(path) / SHARDED_METADATA, 'rb') as metadata_file:
+        metadata = _MetadataUnpickler(metadata_file).load()
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError(f'its {SHARDED_METADATA} holds a {type(metadata).__name__}, not DCP metadata')
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, 'relative_path', None)
+        if not (isinstance(name, str) and name and PurePath(name).name == name and name not in ('.', '..')
+                and '\\' not in name):
+            raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names shard file {name!r}, not a file name inside '
+                                        'the folder')
+    return metadata
+
+
+def _checked_metadata_reader(_torch_read_metadata):
+    """``FileSystemReader.read_metadata`` as ``read_checked_metadata``: the object checked is the object returned;
+    torch's plain-pickle read never runs (its two bookkeeping lines follow)."""
     def checked(self: FileSystemReader) -> dcp_metadata.Metadata:
-        with open(Path(self.path) / SHARDED_METADATA, 'rb') as metadata_file:
-            _MetadataUnpickler(metadata_file).load()
-        return read_metadata(self)
+        metadata = read_checked_metadata(self.path)
+        if getattr(metadata, 'storage_meta', None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, 'load_id', None)
+        return metadata
     checked.dha_train_checked = True
     return checked
 
 
-def check_byte_item(raw: bytes, name: str) -> None:
-    """Unpickle a DCP non-tensor item as dha-train allows (weights_only, ``SAFE_GLOBALS``); a refused type raises
-    ``UnsafeCheckpointError`` naming it."""
+def _unwrapped(exc: BaseException) -> BaseException:
+    """torch re-raises an unpickler error as a page-long UnpicklingError (``from None``); ours is its context."""
+    return exc.__context__ if isinstance(exc.__context__, UnsafeCheckpointError) else exc
+
+
+def check_byte_item(raw: bytes, name: str) -> Any:
+    """Unpickle a DCP non-tensor item as dha-train allows (weights_only, ``SAFE_GLOBALS``) and return it; a refused
+    type raises ``UnsafeCheckpointError`` naming it."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            torch.load(io.BytesIO(raw), weights_only=True)
+            return torch.load(io.BytesIO(raw), weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"its item {name} names {_refused_type(exc) or 'an object weights_only refuses'}, "
-                                    'not one of the types a checkpoint of `dha-train train` holds; dha-train refuses '
-                                    'to unpickle it') from None
+        ours = _unwrapped(exc)
+        what = str(ours) if ours is not exc else f"names {_refused_type(exc) or 'an object weights_only refuses'}"
+        raise UnsafeCheckpointError(f'its item {name}: {what}, not one of the types a checkpoint of `dha-train train` '
+                                    'holds; dha-train refuses to unpickle it') from None
 
 
-def _checked_load_bytes(load_bytes):
-    """``DefaultLoadPlanner.load_bytes`` that hands torch's own load (``weights_only=False``) only an item that
-    ``check_byte_item`` accepted: the same pickle then builds nothing beyond ``SAFE_GLOBALS``."""
+def _checked_load_bytes(_torch_load_bytes):
+    """``DefaultLoadPlanner.load_bytes`` keeping the object ``check_byte_item`` unpickled (torch's own read, with
+    ``weights_only=False``, never runs)."""
     def checked(self: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
-        raw = value.read()
-        check_byte_item(raw, read_item.dest_index.fqn)
-        load_bytes(self, read_item, io.BytesIO(raw))
+        item = check_byte_item(value.read(), read_item.dest_index.fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = item
     checked.dha_train_checked = True
     return checked
 
 
-def install_safe_sharded_loading() -> None:
-    """Check what torch.distributed.checkpoint unpickles before it does (see the module docstring); idempotent."""
+def _checked_whole_file_load(checkpoint_filepath: str | Path, map_location: str = 'cpu') -> Any:
+    """Composer's whole-file load (``_torch_load_with_validation``) as ``torch_load``: checked where it is read."""
+    path = Path(checkpoint_filepath)
+    return _load(path, mmap=False)
+
+
+def _refusing_tar_download(download_checkpoint):
+    """Composer's ``download_checkpoint``, refusing a tar archive (Composer would extract it, names and links as the
+    archive says) before anything is downloaded or extracted."""
+    def checked(path: str, *args, **kwargs):
+        if is_tar(path):
+            raise CheckpointError(f'{path} is a tar archive; dha-train loads whole-file (.pt) and sharded '
+                                  'checkpoints, never extracts an archive: extract it yourself and give the .pt file')
+        return download_checkpoint(path, *args, **kwargs)
+    checked.dha_train_checked = True
+    return checked
+
+
+def install_checked_loading() -> None:
+    """Replace every read Composer and torch.distributed.checkpoint make of a checkpoint with the checked one (see the
+    module docstring); idempotent."""
     if not getattr(FileSystemReader.read_metadata, 'dha_train_checked', False):
         FileSystemReader.read_metadata = _checked_metadata_reader(FileSystemReader.read_metadata)
     if not getattr(DefaultLoadPlanner.load_bytes, 'dha_train_checked', False):
         DefaultLoadPlanner.load_bytes = _checked_load_bytes(DefaultLoadPlanner.load_bytes)
+    for module in (composer_checkpoint, composer_checkpoint_load):
+        module._torch_load_with_validation = _checked_whole_file_load
+    if not getattr(composer_checkpoint.download_checkpoint, 'dha_train_checked', False):
+        composer_checkpoint.download_checkpoint = _refusing_tar_download(composer_checkpoint.download_checkpoint)
 
 
-install_safe_sharded_loading()
+install_checked_loading()
 
 
 def _incomplete(path: Path, why: str) -> CheckpointError:
@@ -178,7 +302,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def torch_load(path: str | Path, *, mmap: bool = False) -> Any:
     """``torch.load`` as dha-train reads every checkpoint itself: weights_only, plus exactly ``SAFE_GLOBALS``."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+        try:
+            return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as exc:
+            ours = _unwrapped(exc)
+            if ours is not exc:
+                raise ours from None
+            raise
 
 
 def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
@@ -187,6 +317,8 @@ def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
         return torch_load(path, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt or foreign files
         shown = shown or path
+        if isinstance(exc, UnsafeCheckpointError):
+            raise UnsafeCheckpointError(f'{shown}: {exc}; dha-train refuses it') from None
         refused = _refused_type(exc)
         if refused:
             raise CheckpointError(
@@ -203,7 +335,30 @@ def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
 def _check_state(state: Any, path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get('state'), dict) or 'model' not in state['state']:
         raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+    check_hf_metadata(state, path)
     return state
+
+
+def check_hf_metadata(state: dict, path: Path) -> None:
+    """The Hugging Face config and tokenizer files a checkpoint carries (``state.integrations.huggingface``) pass
+    ``dha_train.untrusted``'s checks: an allowed model type with no foreign code, tokenizer files by allowed base
+    name. Nothing is built or written; resume never uses them, export and eval build them through the same checks."""
+    integrations = state['state'].get('integrations')
+    hf_state = integrations.get('huggingface') if isinstance(integrations, dict) else None
+    if hf_state is None:
+        return
+    try:
+        if not isinstance(hf_state, dict):
+            raise UntrustedDataError(f'{path}: its Hugging Face metadata is a {type(hf_state).__name__}, not a dict')
+        model = hf_state.get('model')
+        config = model.get('config') if isinstance(model, dict) else None
+        if config is not None:
+            config_fields(config.get('content') if isinstance(config, dict) else config,
+                          where=f'{path} (its Hugging Face config)')
+        if hf_state.get('tokenizer'):
+            check_tokenizer_entries(hf_state['tokenizer'], str(path))
+    except UntrustedDataError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _check_archive(path: Path) -> None:

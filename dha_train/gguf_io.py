@@ -76,11 +76,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from dha_train.errors import DhaTrainError, InputNotFoundError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import KV_TOKENS, card_stage, read_model_card, write_model_card
-from dha_train.model_folders import check_model_folder, file_sha256, safetensors_files
+from dha_train.model_folders import file_sha256, load_model_config, safetensors_files
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
 from dha_train.ops.deepseek import latent_eps_scale, scale_latent_rows
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
+from dha_train.untrusted import load_tokenizer_folder
 
 # ---- import: a GGUF file as a HF folder ----
 
@@ -448,7 +449,6 @@ def _pre_tokenizer_shape(pre: dict | None) -> tuple[str, ...]:
 def _add_tokenizer(writer, folder: Path, config) -> dict:
     """The folder's BPE tokenizer into ``writer``; returns the special token ids written."""
     import gguf
-    from transformers import AutoTokenizer
 
     tokenizer_file = folder / 'tokenizer.json'
     if not tokenizer_file.is_file():
@@ -468,7 +468,7 @@ def _add_tokenizer(writer, folder: Path, config) -> dict:
         raise GgufExportError(f'export-gguf: the tokenizer splits text with {" + ".join(shape) or "no pre-tokenizer"}, '
                               f'which matches none of the llama.cpp pre-tokenizers this exporter names '
                               f'({", ".join(PRE_TOKENIZERS.values())}); llama.cpp would tokenize text differently')
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = load_tokenizer_folder(folder, f'export-gguf: {folder}', config=config)
     vocab = tokenizer.get_vocab()
     size = max(len(vocab), config.vocab_size)
     by_id = {index: token for token, index in vocab.items()}
@@ -617,7 +617,6 @@ def _stored(name: str, tensor: torch.Tensor, outtype: str) -> tuple[np.ndarray, 
 def export_gguf(folder: str | Path, out: str | Path, *, outtype: str = 'f16', overwrite: bool = False) -> GgufReport:
     """Write the HF folder ``folder`` as the GGUF file ``out`` (see the module docstring)."""
     import gguf
-    from transformers import AutoConfig
 
     import dha_train.models  # noqa: F401  (registers the project's model classes with AutoConfig)
 
@@ -630,8 +629,7 @@ def export_gguf(folder: str | Path, out: str | Path, *, outtype: str = 'f16', ov
         raise GgufExportError(f'export-gguf: the output must be a .gguf file path, got {out}')
     if not out.parent.is_dir():
         raise InputNotFoundError(f'export-gguf: the folder of {out} does not exist')
-    check_model_folder(folder, who='export-gguf')
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    config = load_model_config(folder, who='export-gguf')
     refusal = _refusal(config)
     if refusal:
         raise GgufExportError(refusal)

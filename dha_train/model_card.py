@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import AutoConfig
 
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import mha_kv_values
+from dha_train.untrusted import config_from_dict
 
 CARD_FILE = 'README.md'
 # Written by `dha-train train` in its save folder (the folder the run started from, its recipe): what an export's card
@@ -96,7 +97,7 @@ def write_model_card(folder: str | Path, *, method: str | None, source: str | Pa
     source folder (an import), ``license_`` its licence where the source folder has no card to carry it from;
     ``name`` the folder's final name (``folder`` may be a staging folder). Returns the header."""
     folder = Path(folder)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    config = config_from_dict(json.loads((folder / 'config.json').read_text()), where=f'model card: {folder}')
     source = Path(source) if source is not None else None
     start = Path(start) if start is not None else source
     source_card = read_model_card(source)[0] if source is not None else {}
@@ -109,7 +110,7 @@ def write_model_card(folder: str | Path, *, method: str | None, source: str | Pa
     reference = source if source is not None else (start if start is not None and 'dha_train' not in start_card
                                                    else None)  # a run that started from the source itself
     if reference is not None and (reference / 'config.json').is_file():
-        source_kv = kv_cache_bytes(AutoConfig.from_pretrained(reference, local_files_only=True), KV_TOKENS, 2)
+        source_kv = kv_cache_bytes(load_model_config(reference, who='model card (source)'), KV_TOKENS, 2)
     method = method or (start_card.get('dha_train') or {}).get('method')
     block: dict[str, Any] = {
         'method': method, 'model_type': config.model_type, 'attention': attention_summary(config),

@@ -1,7 +1,13 @@
-"""Check a Hugging Face model folder before anything loads it, so a bad folder is one line naming what is wrong.
+"""Check a Hugging Face model folder before anything loads it, so a bad folder is one line naming what is wrong,
+and load it so that nothing in it runs.
 
-Every command that takes a model folder (convert, refit, search, align, eval, and training from
-``model.pretrained_path``) calls ``check_model_folder`` first. It catches, without reading the tensors:
+Every command that takes a model folder (convert, refit, search, align, eval, export-gguf, and training from
+``model.pretrained_path`` or a recipe's ``source_path``/``teacher_path``) loads it through ``load_model_config`` /
+``load_causal_lm``: ``check_model_folder`` first, then the config built by ``dha_train.untrusted.config_from_dict``
+(allowed model types; ``trust_remote_code``, ``auto_map`` and ``_name_or_path`` dropped) and the weights into the
+project's own or transformers' classes with ``trust_remote_code=False``. A folder's ``auto_map`` is never followed:
+the project's own exports carry one (with their modeling file, for users without dha_train), and dha-train loads them
+with the classes it ships. ``check_model_folder`` catches, without reading the tensors:
 
 - no ``config.json``, or one that is not JSON;
 - a config of another architecture (not LLaMA nor one of this project's LLaMA variants);
@@ -21,12 +27,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from dha_train.errors import DhaTrainError, InputNotFoundError
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-# The model types the project reads: the plain LLaMA, its own classes (DHA/AsymGQA, MoH, MLA; a fused-checkpoint
-# `dha_llama` is a DHA model too) and transformers' DeepseekV3 (MLA in DeepSeek's format). Commands that need a plain
-# LLaMA source check that themselves.
-LLAMA_MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama', 'deepseek_v3')
+from dha_train.errors import DhaTrainError, InputNotFoundError
+from dha_train.untrusted import MODEL_TYPES, UntrustedDataError, config_fields, config_from_dict
+
+# The model types the project reads (``dha_train.untrusted.MODEL_TYPES``). Commands that need a plain LLaMA source
+# pass ``model_types=('llama',)``.
+LLAMA_MODEL_TYPES = MODEL_TYPES
 _SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
 _INDEX_FILES = ('model.safetensors.index.json', 'pytorch_model.bin.index.json')
 
@@ -156,3 +164,33 @@ def check_model_folder(folder: str | Path, *, who: str, model_types: tuple[str, 
             return config
     raise ModelFolderError(f'{who}: {folder} has a config.json but no weights beside it (expected '
                            f'{" or ".join(_SINGLE_FILES)}, or a shard index)')
+
+
+def load_model_config(folder: str | Path, *, who: str, model_types: tuple[str, ...] = LLAMA_MODEL_TYPES) -> PretrainedConfig:
+    """The folder's config, after ``check_model_folder``, built with the project's own or transformers' classes and
+    none of the config's code keys (``dha_train.untrusted.config_from_dict``)."""
+    config = check_model_folder(folder, who=who, model_types=model_types)
+    try:
+        return config_from_dict(config, where=f'{who}: {folder}', model_types=model_types)
+    except UntrustedDataError as exc:
+        raise ModelFolderError(str(exc)) from None
+
+
+def load_causal_lm(folder: str | Path, *, who: str, config: PretrainedConfig | None = None,
+                   model_types: tuple[str, ...] = LLAMA_MODEL_TYPES, **kwargs):
+    """The folder's model with ``load_model_config``'s config (or ``config``, built by it and then adjusted by the caller),
+    in the class that config maps to; ``trust_remote_code=False``, no hub."""
+    config = config if config is not None else load_model_config(folder, who=who, model_types=model_types)
+    return AutoModelForCausalLM.from_pretrained(str(folder), config=config, local_files_only=True,
+                                                trust_remote_code=False, **kwargs)
+
+
+def load_llama_config(folder: str | Path, *, who: str) -> LlamaConfig:
+    """A source folder's config read as a ``LlamaConfig`` (what ``LlamaConfig.from_pretrained`` reads), after
+    ``check_model_folder`` and without the config's code keys, so none travels into the folders written from it."""
+    config = check_model_folder(folder, who=who)
+    try:
+        _, fields = config_fields(config, where=f'{who}: {folder}')
+    except UntrustedDataError as exc:
+        raise ModelFolderError(str(exc)) from None
+    return LlamaConfig.from_dict(fields)

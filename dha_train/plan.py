@@ -36,7 +36,7 @@ from dha_train.builders import build_llama_config, wrap_composer
 from dha_train.config import ConfigError, TrainConfig, load_config, per_device_batch
 from dha_train.data.prep import MANIFEST_NAME, read_manifest
 from dha_train.distributed import causal_lm_on_meta, shard_blocks
-from dha_train.model_folders import weights_optional
+from dha_train.model_folders import load_model_config, weights_optional
 from dha_train.models.llama_layout import attention_head_widths
 from dha_train.optim import build_optimizer
 
@@ -276,9 +276,7 @@ def _built(config: TrainConfig) -> _Built:
     teacher_path = next((getattr(a, 'teacher_path', None) for a in algorithms if getattr(a, 'teacher_path', None)),
                         None)
     if teacher_path is not None:
-        from transformers import AutoConfig
-
-        built.teacher_config = AutoConfig.from_pretrained(teacher_path, local_files_only=True)
+        built.teacher_config = load_model_config(teacher_path, who='distillation teacher_path')
     return built
 
 

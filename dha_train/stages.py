@@ -80,15 +80,13 @@ class Stage:
         import cloudpickle
 
         self.dir.parent.mkdir(parents=True, exist_ok=True)
-        payload = self.dir.parent / f'.{self.dir.name}.build.pkl'
-        payload.write_bytes(cloudpickle.dumps((build, say)))
+        # The closure goes to the child through its stdin, never through a file: nothing the child unpickles can be
+        # planted or swapped in the run folder.
+        payload = cloudpickle.dumps((build, say))
         # the child imports what the parent can (functions of importable modules travel by reference)
         environment = {**os.environ, 'PYTHONPATH': os.pathsep.join(path for path in sys.path if path)}
-        try:
-            code = subprocess.run([sys.executable, '-m', 'dha_train.stages', str(self.dir.parent), self.dir.name,
-                                   str(payload)], env=environment).returncode
-        finally:
-            payload.unlink(missing_ok=True)
+        code = subprocess.run([sys.executable, '-m', 'dha_train.stages', str(self.dir.parent), self.dir.name],
+                              input=payload, env=environment).returncode
         result = self.done()
         if code or result is None:
             raise RuntimeError(f'stage {self.dir.name} failed in its own process (exit code {code}); its traceback '
@@ -96,12 +94,13 @@ class Stage:
         return result
 
 
-def _run_stage_process(run: str, name: str, payload: str) -> int:
-    """The child of ``Stage.run(isolated=True)``: unpickle the build and run the stage here."""
+def _run_stage_process(run: str, name: str) -> int:
+    """The child of ``Stage.run(isolated=True)``: unpickle the build its parent wrote to this process's stdin (the
+    parent's own bytes, through a pipe) and run the stage here."""
     import pickle
 
     try:
-        build, say = pickle.loads(Path(payload).read_bytes())
+        build, say = pickle.loads(sys.stdin.buffer.read())
         Stage(Path(run), name).run(build, say)
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent through the exit code
         traceback.print_exc()
@@ -234,7 +233,7 @@ def gqa_kv_heads(num_heads: int) -> int:
 
 
 if __name__ == '__main__':
-    exit_code = _run_stage_process(*sys.argv[1:4])
+    exit_code = _run_stage_process(*sys.argv[1:3])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)  # not sys.exit: a trainer's leftover non-daemon threads must not keep the child alive

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from composer import Trainer
 from composer.utils import FSDP2Config, dist, get_device, partial_format, reproducibility
+from composer.utils.file_helpers import is_tar
 
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
@@ -62,24 +63,39 @@ def _local_save_folder(config: TrainConfig) -> Path | None:
                 else config.save_folder)
 
 
-def _refuse_on_every_rank(check) -> None:
-    """Run ``check`` on global rank 0 only and raise the DhaTrainError it raised there on every rank, so all ranks
-    stop together with the same one line."""
-    problem: list[DhaTrainError | None] = [None]
-    if dist.get_global_rank() == 0:
+def _refuse_on_every_rank(check, *, on_every_node: bool = False) -> None:
+    """Run ``check`` on global rank 0 only (``on_every_node``: on every node's local rank 0, for a check of files each
+    node reads from its own disk) and raise the DhaTrainError it raised there on every rank, so all ranks stop
+    together with the same one line."""
+    checks_here = dist.get_local_rank() == 0 if on_every_node else dist.get_global_rank() == 0
+    problem: DhaTrainError | None = None
+    if checks_here:
         try:
             check()
         except DhaTrainError as exc:
-            problem = [exc]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise problem[0]
+            problem = exc
+    if on_every_node:
+        found = [exc for exc in dist.all_gather_object(problem) if exc is not None]
+        if found:
+            raise found[0]
+        return
+    problems: list[DhaTrainError | None] = [problem]
+    dist.broadcast_object_list(problems, src=0)
+    if problems[0] is not None:
+        raise problems[0]
 
 
 def check_checkpoint_to_load(config: TrainConfig) -> None:
     """Refuse, before anything is built, the checkpoint Composer would load: autoresume's latest link in a local
-    save_folder when there is one (Composer then ignores load_path), else load_path. Global rank 0 checks and every
-    rank raises the same CheckpointError; the save folder is left exactly as it is."""
+    save_folder when there is one (Composer then ignores load_path), else load_path. Every node's local rank 0 checks
+    its own copy (nodes need not share storage) and every rank raises the same CheckpointError; the save folder is
+    left exactly as it is. A tar archive is refused, local or remote (Composer would extract it). A remote load_path
+    (or a remote save_folder's latest checkpoint) is downloaded by Composer itself and read only through the checked
+    loaders ``dha_train.checkpoints`` installs, so it is refused at that read, before any of its state is used."""
+    if config.load_path and is_tar(config.load_path):
+        raise CheckpointError(f'load_path: {config.load_path} is a tar archive; dha-train loads whole-file (.pt) and '
+                              'sharded checkpoints, never extracts an archive: extract it yourself and give the .pt '
+                              'file')
     setting = path = note = None
     folder = _local_save_folder(config) if config.autoresume else None
     if folder is not None and ((folder / LATEST).is_symlink() or (folder / LATEST).exists()):
@@ -100,7 +116,7 @@ def check_checkpoint_to_load(config: TrainConfig) -> None:
         except CheckpointError as exc:
             raise CheckpointError(f'{setting}: {exc}{note}') from exc
 
-    _refuse_on_every_rank(check)
+    _refuse_on_every_rank(check, on_every_node=True)
 
 
 def check_save_folder(config: TrainConfig) -> None:

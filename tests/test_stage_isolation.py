@@ -20,12 +20,15 @@ def test_isolated_stage_runs_in_its_own_process_and_is_reused(tmp_path):
 
     def build(folder):
         (folder / 'made.txt').write_text('x')
-        return {'pid': os.getpid(), 'value': float((weights @ weights).sum())}  # the closure travels
+        return {'pid': os.getpid(), 'value': float((weights @ weights).sum()),  # the closure travels
+                'run_folder': sorted(path.name for path in folder.parent.iterdir())}
 
     result = Stage(tmp_path, 'square').run(lambda out: (out.mkdir(parents=True), build(out))[1], _say, isolated=True)
     assert result['pid'] != parent
     assert result['value'] == pytest.approx(expected, rel=1e-5)
     assert (tmp_path / 'square' / 'made.txt').is_file() and 'seconds' in result
+    # the closure reached the child through a pipe: while it ran, the run folder held no payload file to plant or swap
+    assert result['run_folder'] == ['square']
 
     def must_not_run(folder):
         raise AssertionError('a finished stage was built again')

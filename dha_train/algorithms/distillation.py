@@ -23,13 +23,13 @@ import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes, should the teacher be one)
 from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.distributed import causal_lm_on_meta, shard_like
 from dha_train.errors import InputNotFoundError
+from dha_train.model_folders import load_causal_lm, load_model_config
 from dha_train.models.llama_layout import TRAINABLE, hf_model, train_only_attention
 from dha_train.ops.distill import bild_loss, kl_loss
 
@@ -64,11 +64,12 @@ class Distillation(Algorithm):
         # Building the model draws random initial weights before loading; forking keeps those draws out of the
         # training RNG streams, so a resumed run (which loads the teacher again, mid-run) continues exactly.
         with torch.random.fork_rng():
+            config = load_model_config(self.teacher_path, who='distillation teacher_path')
             if from_rank0 and dist.get_global_rank() != 0:
-                teacher = causal_lm_on_meta(AutoConfig.from_pretrained(self.teacher_path, local_files_only=True))
+                teacher = causal_lm_on_meta(config)
             else:
-                teacher = AutoModelForCausalLM.from_pretrained(self.teacher_path, local_files_only=True,
-                                                               torch_dtype=torch.float32)
+                teacher = load_causal_lm(self.teacher_path, who='distillation teacher_path', config=config,
+                                         torch_dtype=torch.float32)
         student_config = state.model.model.config if hasattr(state.model, 'model') else state.model.config
         if teacher.config.vocab_size != student_config.vocab_size:
             raise ConfigError(f'distillation: the teacher has vocab_size {teacher.config.vocab_size}, the student '

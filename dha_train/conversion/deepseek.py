@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, load_llama_config
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.deepseek import (
     LATENT_NORM_EPS,
@@ -37,6 +37,7 @@ from dha_train.ops.deepseek import (
 )
 from dha_train.ops.mla import BALANCES, pair_key_cross_energy
 from dha_train.paths import refuse_nonempty, staged_folder
+from dha_train.untrusted import load_tokenizer_folder
 
 CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies
 # Defaults chosen on a validation text no conversion calibrates on and no bench scores (vim's help files, 512 tokens a
@@ -217,7 +218,7 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --format deepseek')
     refuse_nonempty(out_dir, overwrite)
-    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    config = load_llama_config(model_dir, who='convert --format deepseek')
     check_source(config)
     pairs, rank, source_values = budget(config, settings)
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
@@ -282,5 +283,5 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
             'convert --method mla --format deepseek', calibration_tokens=report['calibration_tokens'],
             latent_norm_fit=settings.latent_norm_fit))
         if (model_dir / 'tokenizer_config.json').is_file():
-            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
+            load_tokenizer_folder(model_dir, 'convert --format deepseek').save_pretrained(staging)
     return report

@@ -13,15 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, load_llama_config
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
 from dha_train.paths import refuse_nonempty, staged_folder
+from dha_train.untrusted import load_tokenizer_folder
 
 
 def as_contiguous_gqa(head_map: HeadMap) -> tuple[HeadMap, list[list[int]]] | None:
@@ -47,11 +48,12 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert')
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
-    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    config = load_llama_config(model_dir, who='convert')
     head_map.check_fits(config)
     source = source_head_map(config, 'convert')
     head_map.source_partitions(source)  # a target that splits a source head fails here, before loading
-    model = LlamaForCausalLM.from_pretrained(model_dir, local_files_only=True, torch_dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(model_dir, config=config, local_files_only=True, trust_remote_code=False,
+                                             torch_dtype=torch.float32)
     state = model.state_dict()
     del model
 
@@ -81,5 +83,5 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
                          stage=card_stage('convert: K/V heads mean-pooled to the head map'))
         head_map.save(staging / HEAD_MAP_FILE)
         if (model_dir / 'tokenizer_config.json').is_file():
-            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
+            load_tokenizer_folder(model_dir, 'convert').save_pretrained(staging)
     return out_dir

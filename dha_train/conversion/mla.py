@@ -16,12 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig
 
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, load_llama_config
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
 from dha_train.ops.mla import (
@@ -40,6 +39,7 @@ from dha_train.ops.mla import (
     rope_pair_scores,
 )
 from dha_train.paths import refuse_nonempty, staged_folder
+from dha_train.untrusted import load_tokenizer_folder
 
 RANK_CHOICES = ('uniform', 'spectrum')
 FACTORISATIONS = ('activation', 'weight')
@@ -140,7 +140,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --method mla')
     refuse_nonempty(out_dir, overwrite)
-    config = LlamaConfig.from_pretrained(model_dir, local_files_only=True)
+    config = load_llama_config(model_dir, who='convert --method mla')
     settings = resolved_settings(settings, head_dim(config))
     total_latent, source_values = latent_budget(config, settings)
     model, source = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
@@ -233,7 +233,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         write_model_card(staging, name=out_dir.name, method='mla', source=model_dir, stage=card_stage(
             'convert --method mla', calibration_tokens=report['calibration_tokens']))
         if (model_dir / 'tokenizer_config.json').is_file():
-            AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(staging)
+            load_tokenizer_folder(model_dir, 'convert --method mla').save_pretrained(staging)
     return report
 
 

@@ -28,14 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from dha_train.calibration import calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import DhaTrainError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder
+from dha_train.model_folders import check_model_folder, load_causal_lm, load_llama_config, load_model_config
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops import refit as fit
@@ -242,11 +241,11 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
         raise ConfigError(f'refit: --tokens must be >= 1, got {settings.tokens}')
     refuse_nonempty(out_dir, overwrite)
     started = time.perf_counter()
-    source_config = LlamaConfig.from_pretrained(source_dir, local_files_only=True)
+    source_config = load_llama_config(source_dir, who='refit (source)')
     source_map = source_head_map(source_config, 'refit')
     import dha_train.models  # noqa: F401  (registers the DHA / MLA classes with the Auto classes)
 
-    converted_config = AutoConfig.from_pretrained(converted_dir, local_files_only=True)
+    converted_config = load_model_config(converted_dir, who='refit (converted)')
     _check_pair(source_config, converted_config)
     source_model, _ = load_source_model(source_dir, source_config, device=settings.device, who='refit')
     batches = calibration_batches(source_dir, source_config, data=settings.data, split='train',
@@ -255,8 +254,8 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
     calibrated = time.perf_counter()
     saved_dtype = converted_config.torch_dtype or torch.float32
     saved_dtype = getattr(torch, saved_dtype) if isinstance(saved_dtype, str) else saved_dtype
-    converted_model = AutoModelForCausalLM.from_pretrained(converted_dir, local_files_only=True,
-                                                           torch_dtype=torch.float32).to(settings.device)
+    converted_model = load_causal_lm(converted_dir, who='refit (converted)', config=converted_config,
+                                     torch_dtype=torch.float32).to(settings.device)
     head_dim = source_map.head_dim
     if converted_config.model_type == 'mla_llama':
         layers = _refit_mla(source_model, converted_model, stats, head_dim)

@@ -8,9 +8,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
+from dha_train.untrusted import UntrustedDataError, load_tokenizer_folder
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
 
@@ -63,7 +64,9 @@ def load_tokenizer(path: str | Path):
         raise TokenizerError(f'no tokenizer in {path}: it has none of {", ".join(_TOKENIZER_FILES)} (pass a HF '
                              'tokenizer folder, as save_pretrained writes it)')
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = load_tokenizer_folder(path, f'tokenizer {path}')
+    except UntrustedDataError:
+        raise
     except Exception as exc:  # transformers raises several types here; all mean "not a usable tokenizer folder"
         lines = str(exc).strip().splitlines()
         reason = lines[0][:300] if lines else type(exc).__name__  # its first line, without page-long lists

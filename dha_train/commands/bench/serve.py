@@ -87,11 +87,9 @@ def _heldout(real: Path, results: dict) -> list[np.ndarray]:
 
 
 def _hf_loss(folder: str, sequences: list[np.ndarray]) -> float:
-    from transformers import AutoModelForCausalLM
+    from dha_train.model_folders import load_causal_lm
 
-    import dha_train.models  # noqa: F401  (the project's classes)
-
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = load_causal_lm(folder, who='bench serve', torch_dtype=torch.float32).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for sequence in sequences:

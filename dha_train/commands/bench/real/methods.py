@@ -321,13 +321,15 @@ def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k
     """The MoH model right after surgery (no training): the source's weights under the MoH class with a query-norm
     router (which has no weights), written as an HF folder through the MoH method's own export."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from dha_train.methods import export_model, tag_method
+    from dha_train.model_folders import load_llama_config
     from dha_train.models.modeling_moh import check_moh_settings
+    from dha_train.untrusted import load_tokenizer_folder
 
     source, out = Path(source), Path(out)
-    config = LlamaConfig.from_pretrained(source, local_files_only=True)
+    config = load_llama_config(source, who='bench real (MoH source)')
     check_moh_settings(config.num_attention_heads, config.num_hidden_layers, shared_heads, top_k, 'query_norm')
     config.moh_router, config.moh_shared_heads, config.moh_top_k = 'query_norm', shared_heads, top_k
     tag_method(config, 'moh')
@@ -343,7 +345,7 @@ def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
+    load_tokenizer_folder(source, 'bench real (MoH source)').save_pretrained(out)
     return out
 
 

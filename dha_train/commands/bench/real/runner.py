@@ -294,6 +294,6 @@ class StageRunner:
 
 
 def _config(folder: Path):
-    from transformers import AutoConfig
+    from dha_train.model_folders import load_model_config
 
-    return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=True)
+    return load_model_config(folder, who='bench real')

@@ -1,0 +1,180 @@
+"""What a checkpoint, a model folder or a tokenizer folder holds becomes an object here, and only through allow-lists.
+
+Checkpoint and folder contents are data. transformers and Composer would let some of that data act: a config's
+``trust_remote_code``, ``auto_map`` and ``_name_or_path`` make transformers import code (from the folder, another
+folder, or a Hub repository), an unknown ``model_type`` sends Composer to ``AutoConfig.from_pretrained`` on the
+config's own ``_name_or_path``, a tokenizer config's ``tokenizer_class`` names a class, and Composer writes a
+checkpoint's tokenizer entries under file names the checkpoint chooses (``.py`` included). So:
+
+- **configs** (``config_from_dict``): ``model_type`` must be one of the families the project reads and writes
+  (``MODEL_TYPES``); an ``auto_map`` may name only the project's own modeling file for that type (what its exports
+  carry, for users without dha_train), since a folder whose ``auto_map`` names other code means a model other than
+  the class its type names, and loading it as that class would silently be another model: refused;
+  ``trust_remote_code``, ``auto_map`` and ``_name_or_path`` are then dropped and the config is built by
+  ``AutoConfig.for_model`` with the project's own classes registered. Nothing a config names is imported.
+- **tokenizers** (``load_tokenizer_folder``): ``tokenizer_config.json``'s ``tokenizer_class`` must name a tokenizer
+  class of transformers itself, and transformers is told ``trust_remote_code=False``, so an ``auto_map`` in the
+  folder is never followed.
+- **tokenizer files carried in a checkpoint** (``write_tokenizer_entries``): base names from ``TOKENIZER_FILE_NAMES``
+  only, each with its own extension, written by the project into a folder of its own; anything else is refused in one
+  line before any file is written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import transformers
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+import dha_train.models  # noqa: F401  (registers dha_llama, moh_llama and mla_llama with AutoConfig)
+from dha_train.errors import DhaTrainError
+
+# The model types the project reads: the plain LLaMA, its own classes (DHA/AsymGQA, MoH, MLA; a fused-checkpoint
+# `dha_llama` is a DHA model too) and transformers' DeepseekV3 (MLA in DeepSeek's format).
+MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama', 'deepseek_v3')
+
+# Config keys that make transformers import code, or name where to fetch a config from: never taken from data.
+CODE_KEYS = ('trust_remote_code', 'auto_map', '_name_or_path')
+
+# The files a tokenizer folder may be restored with from a checkpoint, by base name (each its own extension).
+TOKENIZER_FILE_NAMES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
+                        'vocab.json', 'vocab.txt', 'merges.txt', 'tokenizer.model', 'chat_template.jinja')
+# What each extension's content is in Composer's saved state (``.txt``: the file's lines).
+_CONTENT_TYPES = {'.json': (dict, list), '.txt': (list,), '.model': (bytes,), '.jinja': (str,)}
+TOKENIZER_CONFIG = 'tokenizer_config.json'
+
+
+class UntrustedDataError(DhaTrainError, ValueError):
+    """Data from a checkpoint or a folder that would name code, a class outside the allow-list, or a path: refused."""
+
+
+def _shipped_auto_map(model_type: str) -> dict[str, str]:
+    """The ``auto_map`` the project's own export of ``model_type`` writes (its modeling file's config and causal-LM
+    classes, as ``register_for_auto_class`` names them); {} for transformers' own types."""
+    config_class = CONFIG_MAPPING[model_type]
+    if not config_class.__module__.startswith('dha_train.'):
+        return {}
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    return {auto: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+            for auto, cls in (('AutoConfig', config_class), ('AutoModelForCausalLM', model_class))}
+
+
+def _check_auto_map(auto_map: Any, model_type: str, where: str) -> None:
+    shipped = _shipped_auto_map(model_type)
+    foreign = ({key: value for key, value in auto_map.items() if shipped.get(key) != value}
+               if isinstance(auto_map, Mapping) else auto_map)
+    if foreign:
+        raise UntrustedDataError(f'{where}: its auto_map names code dha-train does not ship ({foreign!r:.120}); '
+                                 f"dha-train never runs a folder's code and will not load it as a plain {model_type} "
+                                 f'model (it may be another model): remove auto_map if it is one')
+
+
+def config_fields(config: Mapping[str, Any], *, where: str,
+                  model_types: tuple[str, ...] = MODEL_TYPES) -> tuple[str, dict[str, Any]]:
+    """``(model_type, fields)`` of a config's dict after the checks of the module docstring: ``model_type`` from
+    ``model_types``, an ``auto_map`` only of the project's own modeling file, the keys of ``CODE_KEYS`` dropped.
+    ``where`` names the source in the refusal."""
+    if not isinstance(config, Mapping):
+        raise UntrustedDataError(f'{where}: the model config is a {type(config).__name__}, not a mapping')
+    model_type = config.get('model_type')
+    if model_type not in model_types:
+        raise UntrustedDataError(f"{where}: holds a {model_type!r} model; dha-train reads only "
+                                 f"{', '.join(model_types)} configs and never imports a config's own code")
+    if any(not isinstance(key, str) for key in config):
+        raise UntrustedDataError(f'{where}: the model config has a key that is not a string')
+    if config.get('auto_map') is not None:
+        _check_auto_map(config['auto_map'], model_type, where)
+    return model_type, {key: value for key, value in config.items() if key not in CODE_KEYS and key != 'model_type'}
+
+
+def config_from_dict(config: Mapping[str, Any], *, where: str,
+                     model_types: tuple[str, ...] = MODEL_TYPES) -> PretrainedConfig:
+    """A transformers config built from ``config`` (a config.json's or a checkpoint's dict) by ``AutoConfig.for_model``
+    with the project's own classes, after ``config_fields``."""
+    model_type, fields = config_fields(config, where=where, model_types=model_types)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise UntrustedDataError(f'{where}: not a valid {model_type} config ({type(exc).__name__}: {exc})') from exc
+
+
+def _tokenizer_class_allowed(name: str) -> bool:
+    candidate = getattr(transformers, name, None) if name.isidentifier() else None
+    return isinstance(candidate, type) and issubclass(candidate, PreTrainedTokenizerBase)
+
+
+def check_tokenizer_config(config: Any, where: str) -> None:
+    """Refuse a tokenizer config that names a class outside transformers' own tokenizers."""
+    if not isinstance(config, Mapping):
+        raise UntrustedDataError(f'{where}: {TOKENIZER_CONFIG} is not a JSON object')
+    name = config.get('tokenizer_class')
+    if name is not None and not (isinstance(name, str) and _tokenizer_class_allowed(name)):
+        raise UntrustedDataError(f'{where}: {TOKENIZER_CONFIG} names tokenizer_class {name!r}, which is not a '
+                                 'tokenizer class of transformers; dha-train loads no other class')
+
+
+def load_tokenizer_folder(folder: str | Path, where: str, config: PretrainedConfig | None = None):
+    """``AutoTokenizer`` on a local folder, after ``check_tokenizer_config``, with ``trust_remote_code=False`` (an
+    ``auto_map`` is never followed) and no hub. ``config``: the folder's model config, already built safely, so the
+    tokenizer does not read config.json itself."""
+    folder = Path(folder)
+    config_file = folder / TOKENIZER_CONFIG
+    if config_file.is_file():
+        try:
+            tokenizer_config = json.loads(config_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UntrustedDataError(f'{where}: {config_file} is not readable JSON ({exc})') from exc
+        check_tokenizer_config(tokenizer_config, where)
+    extra = {'config': config} if config is not None else {}
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **extra)
+
+
+def _tokenizer_file(name: Any, entry: Any, where: str) -> tuple[str, Any]:
+    """The base name and content of one Composer tokenizer entry (``{name: {'file_extension', 'content'}}``)."""
+    if not isinstance(entry, Mapping) or not isinstance(name, str) or not isinstance(entry.get('file_extension'), str):
+        raise UntrustedDataError(f'{where}: tokenizer entry {name!r} is not a file name with an extension and content')
+    extension = entry['file_extension']
+    file_name = name if name.endswith(extension) else name + extension  # Composer wrote both forms
+    if file_name not in TOKENIZER_FILE_NAMES or Path(file_name).suffix != extension:
+        raise UntrustedDataError(f'{where}: its tokenizer names a file {file_name!r}; dha-train restores only '
+                                 f"{', '.join(TOKENIZER_FILE_NAMES)} (base names, no folders) and wrote nothing")
+    content = entry.get('content')
+    wanted = _CONTENT_TYPES[extension]
+    if not isinstance(content, wanted) or (extension == '.txt' and not all(isinstance(line, str) for line in content)):
+        raise UntrustedDataError(f'{where}: its tokenizer file {file_name} holds a {type(content).__name__}, not '
+                                 f'the content of a {extension} file')
+    if file_name == TOKENIZER_CONFIG:
+        check_tokenizer_config(content, where)
+    return file_name, content
+
+
+def check_tokenizer_entries(entries: Any, where: str) -> dict[str, Any]:
+    """``{file name: content}`` of a Composer checkpoint's tokenizer entries, every one checked (``_tokenizer_file``);
+    nothing is written."""
+    if not isinstance(entries, Mapping):
+        raise UntrustedDataError(f'{where}: its tokenizer state is a {type(entries).__name__}, not a mapping')
+    return dict(_tokenizer_file(name, entry, where) for name, entry in entries.items())
+
+
+def write_tokenizer_entries(entries: Any, folder: str | Path, where: str) -> list[str]:
+    """Write a Composer checkpoint's tokenizer entries into ``folder`` (the caller's own, fresh folder) once every one
+    has passed ``check_tokenizer_entries``: nothing is written unless all pass. Returns the file names written."""
+    files = check_tokenizer_entries(entries, where)
+    folder = Path(folder)
+    for file_name, content in files.items():
+        path = folder / file_name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif isinstance(content, str):
+            path.write_text(content, encoding='utf-8')
+        elif file_name.endswith('.txt'):
+            path.write_text(''.join(f'{line}\n' for line in content), encoding='utf-8')
+        else:
+            path.write_text(json.dumps(content), encoding='utf-8')
+    return sorted(files)
