@@ -191,12 +191,12 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
 
     folder, name = str(path.resolve().parent), path.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32,
-                                                 local_files_only=True)
+                                                 local_files_only=True, trust_remote_code=False)
     if not isinstance(model, LlamaForCausalLM) or model.config.model_type != 'llama':
         raise GgufError(f'{path}: transformers loaded it as {type(model).__name__}, not LlamaForCausalLM')
     # transformers records the GGUF's general.name here; the saved config should be a plain LlamaConfig.
     model.config.__dict__.pop('_model_name_or_path', None)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
     corrected = _declared_special_tokens(tokenizer, header['special_token_ids'])
     if header['chat_template'] and not getattr(tokenizer, 'chat_template', None):
         # transformers' GGUF tokenizer loader drops the file's chat template; an instruct model needs it to chat

@@ -23,8 +23,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.config import ConfigError, load_config
 from dha_train.conversion.mean_pool import convert_checkpoint
@@ -35,6 +33,7 @@ from dha_train.errors import OutputExistsError
 from dha_train.export import export_hf
 from dha_train.harness import build_local_task
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
 from dha_train.paths import recipe_path
@@ -142,7 +141,7 @@ def _continued_pretraining(out: Path, recipe: str, overrides: list[str], max_bat
         raise RuntimeError(f'{recipe}: no evaluation was logged; the checkpoints in {save_folder} are from '
                            'a finished run whose history was not saved. Run with --fresh.')
     hf = export_hf(save_folder, Path(save_folder) / 'hf', overwrite=True)
-    exported = AutoConfig.from_pretrained(hf, local_files_only=True)
+    exported = load_model_config(hf, who='quickstart')
     head_map = HeadMap.from_hf_config(exported)
     out.mkdir(parents=True, exist_ok=True)
     (out / 'history.json').write_text(json.dumps(history))
@@ -154,7 +153,7 @@ def _continued_pretraining(out: Path, recipe: str, overrides: list[str], max_bat
 
 def _gqa_convert(out: Path, run: Path) -> dict:
     teacher = run / 'export' / 'hf'
-    config = AutoConfig.from_pretrained(teacher, local_files_only=True)
+    config = load_model_config(teacher, who='quickstart')
     head_map = HeadMap.gqa(config.num_hidden_layers, config.num_attention_heads,
                            gqa_kv_heads(config.num_attention_heads), head_dim(config))
     convert_checkpoint(teacher, out / 'hf', head_map, overwrite=True)

@@ -105,8 +105,12 @@ def config_from_dict(config: Mapping[str, Any], *, where: str,
 
 
 def _tokenizer_class_allowed(name: str) -> bool:
-    candidate = getattr(transformers, name, None) if name.isidentifier() else None
-    return isinstance(candidate, type) and issubclass(candidate, PreTrainedTokenizerBase)
+    """``name`` is a tokenizer class of transformers, or its fast variant is (AutoTokenizer takes ``name + 'Fast'``
+    first; the slow class is a placeholder where its library, e.g. sentencepiece, is not installed)."""
+    if not name.isidentifier():
+        return False
+    candidates = (getattr(transformers, name, None), getattr(transformers, f'{name}Fast', None))
+    return any(isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) for cls in candidates)
 
 
 def check_tokenizer_config(config: Any, where: str) -> None:

@@ -442,3 +442,22 @@ def test_the_latest_link_of_a_crafted_folder_is_refused_by_autoresume(checkpoint
                                                                 save_folder=str(folder), autoresume=True))
     line = refused_in_one_line(['train', str(recipe)], tmp_path, capfd)
     assert line.startswith('dha-train: error: autoresume: ') and 'restores only tokenizer.json' in line, line
+
+
+@pytest.mark.parametrize('named', ['AutoModelForCausalLM', 'os.system', 'PwnedTokenizer'])
+def test_a_tokenizer_config_naming_a_class_outside_transformers_tokenizers_is_refused(named, tmp_path, tokenizer_dir):
+    from dha_train.data.tokenizer import load_tokenizer
+    from dha_train.untrusted import UntrustedDataError
+
+    folder = tmp_path / 'tokenizer'
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / 'tokenizer_config.json').read_text())
+    (folder / 'tokenizer_config.json').write_text(json.dumps({**config, 'tokenizer_class': named,
+                                                              'auto_map': {'AutoTokenizer': ['pwned.Tok', None]}}))
+    with pytest.raises(UntrustedDataError, match=f"names tokenizer_class '{named}', which is not a tokenizer class"):
+        load_tokenizer(folder)
+    # transformers' own classes pass, the slow name of a fast-only install included; the auto_map is not followed
+    for allowed in ('PreTrainedTokenizerFast', 'LlamaTokenizer'):
+        (folder / 'tokenizer_config.json').write_text(json.dumps({**config, 'tokenizer_class': allowed,
+                                                                  'auto_map': {'AutoTokenizer': ['pwned.Tok', None]}}))
+        assert load_tokenizer(folder).bos_token == '<s>'

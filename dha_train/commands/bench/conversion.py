@@ -38,8 +38,6 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
@@ -50,6 +48,7 @@ from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
+from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
 from dha_train.quickstart import run_quickstart
 from dha_train.stages import (
@@ -160,7 +159,7 @@ def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: in
         settings = MlaSettings(**{'cache_fraction': fraction, 'data': str(data), 'rank_step': 1,
                                   'seed': seed, **change})
         report = convert_to_mla(teacher, folder, settings, overwrite=True)
-        mla_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        mla_config = load_model_config(folder, who='bench conversion')
         resolved = {'rope_pairs': report['rope_pairs'], 'freq_fold': report['freq_fold']}
         row = {'variant': name, 'settings': {**{k: v for k, v in vars(settings).items() if k != 'data'}, **resolved},
                'ranks': report['ranks'], 'fraction_of_source': report['fraction_of_source'],
@@ -243,8 +242,8 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
             results['asym_gqa'].append(_asym_gqa(run, work, num_groups, batches, symmetric, seed))
             save()
     if 'mla' in sections:
-        gqa_config = AutoConfig.from_pretrained(stages['gqa_convert']['hf_folder'], local_files_only=True)
-        teacher_config = AutoConfig.from_pretrained(run / 'export' / 'hf', local_files_only=True)
+        gqa_config = load_model_config(stages['gqa_convert']['hf_folder'], who='bench conversion')
+        teacher_config = load_model_config(run / 'export' / 'hf', who='bench conversion')
         results['gqa_kv_bytes_per_token'] = kv_cache_bytes(gqa_config, seq_len=1)
         results['mla'] = []  # filled row by row, so that save() keeps what was measured
         mla_rows(run / 'export' / 'hf', run / 'data', work, num_groups / teacher_config.num_key_value_heads,
