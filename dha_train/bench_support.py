@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from streaming import MDSWriter
 
+from dha_train.model_folders import file_sha256
 from dha_train.paths import recipe_path
 
 COLD_BYTES = 512 * 2 ** 20  # K/V copies the attention timings cycle through, so a cache is read from memory
@@ -68,3 +69,26 @@ def launch_bench_recipe(processes: int, recipe: str, overrides: list[str], log: 
     env = {**os.environ, 'PYTHONUNBUFFERED': '1', 'OMP_NUM_THREADS': str(threads)}
     with log.open('w') as handle:
         return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def bench_say(bench: str, message: str) -> None:
+    """A bench's progress line: ``[bench <name>] message``, flushed (benches run for hours)."""
+    print(f'[bench {bench}] {message}', flush=True)
+
+
+def bench_source(work: Path, source: str, say=print) -> Path:
+    """A bench's source model as an HF folder: an existing folder as is, else the GGUF (a path, or a name
+    ``import-gguf`` takes) imported into ``work``, again whenever the file differs from the one the folder was
+    imported from."""
+    if (Path(source) / 'config.json').is_file():
+        return Path(source).resolve()
+    from dha_train.gguf_io import PROVENANCE_FILE, import_gguf, resolve_source
+
+    folder = work / Path(source).name.removesuffix('.gguf')
+    path, _ = resolve_source(source)
+    provenance = folder / PROVENANCE_FILE
+    recorded = json.loads(provenance.read_text()).get('sha256') if provenance.is_file() else None
+    if not (folder / 'config.json').is_file() or recorded != file_sha256(path):
+        say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
+        import_gguf(source, folder, overwrite=True)
+    return folder

@@ -488,7 +488,8 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     group's members, e.g. mmlu's subjects) and ``task_data`` {task: where its data came from: split scored,
     few-shot split, lm-eval's own splits, the local folder}."""
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+
+    from dha_train.context_cache_lm import ContextCachedLM
 
     manager = task_manager(_resolved(include), tuple(chosen))
     scores: dict[str, dict[str, float]] = {}
@@ -499,8 +500,9 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     for task, shots in chosen.items():
         by_shots.setdefault(shots, []).append(task)
     with hub_offline(), _quiet_local_data(), _no_environment_report():
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                  max_length=model.config.max_position_embeddings)
+        # lm-eval's HFLM with each multiple-choice context run once: the same scores, about twice as fast on CPU
+        lm = ContextCachedLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                             max_length=model.config.max_position_embeddings)
         for shots, group in sorted(by_shots.items()):
             output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
                                      log_samples=False, random_seed=seed, numpy_random_seed=seed,

@@ -14,6 +14,8 @@
   against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time;
+- ``eval-speed``: evaluation throughput, lm-eval's HFLM against the project's context-sharing scorer on one model,
+  task by task: documents and tokens per second, and every document's scores checked equal;
 - ``mla-zero``: MLA conversions at 0 training tokens (DeepSeek layout, MLA class, mean-pool + refit and, from a
   local checkout, TransMLA's own converter) at a third and two thirds of SmolLM2-135M's cache, scored on a validation
   text and two held-out texts that no conversion calibrated on, with piqa / arc_easy and per-layer errors.
@@ -29,6 +31,8 @@ from dha_train.commands.bench.conversion import run_conversion_bench
 from dha_train.commands.bench.decode import ROWS as DECODE_ROWS
 from dha_train.commands.bench.decode import SECTIONS as DECODE_SECTIONS
 from dha_train.commands.bench.decode import DecodeSettings, run_decode_bench
+from dha_train.commands.bench.eval_speed import TASKS as EVAL_SPEED_TASKS
+from dha_train.commands.bench.eval_speed import EvalSpeedSettings, run_eval_speed_bench
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
@@ -216,6 +220,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument('--source', default=zero_defaults.source)
     zero.add_argument('--seed', type=int, default=zero_defaults.seed)
     zero.set_defaults(func=run_mla_zero)
+    speed = bench.add_parser('eval-speed', help="evaluation throughput: lm-eval's HFLM against the context-sharing "
+                             'scorer `eval` uses, per task, on one model (scores checked equal)')
+    speed_defaults = EvalSpeedSettings()
+    speed.add_argument('--model', default=speed_defaults.model, help='an HF folder, or a GGUF import-gguf takes '
+                       '(default: the bundled SmolLM2-135M)')
+    speed.add_argument('--tasks', nargs='+', default=list(EVAL_SPEED_TASKS))
+    speed.add_argument('--limit', type=int, default=speed_defaults.limit, help='documents per task')
+    speed.add_argument('--batch-size', dest='batch_size', type=int, default=speed_defaults.batch_size)
+    speed.add_argument('--out', default=speed_defaults.out, help='folder for results.json (and the import)')
+    speed.set_defaults(func=run_eval_speed)
     serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU: KV MiB, prompt and "
                              'decode tokens/s against the source, held-out loss from llama.cpp\'s logits')
     defaults = ServeSettings()
@@ -277,6 +291,12 @@ def run_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings(**{name: getattr(args, name) for name in DecodeSettings.__dataclass_fields__
                                  if name != 'seed'})
     run_decode_bench(settings, out=args.out)
+    return 0
+
+
+def run_eval_speed(args: argparse.Namespace) -> int:
+    run_eval_speed_bench(EvalSpeedSettings(model=args.model, tasks=tuple(args.tasks), limit=args.limit,
+                                           batch_size=args.batch_size, out=args.out))
     return 0
 
 

@@ -11,6 +11,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from dha_train.bench_support import bench_source
 from dha_train.commands.bench.real.settings import RealSettings
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
@@ -18,7 +19,6 @@ from dha_train.data.prep import prep_redpajama
 from dha_train.evaluation import run_eval
 from dha_train.export import export_hf
 from dha_train.harness import headline
-from dha_train.model_folders import file_sha256
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
 from dha_train.stages import BatchDigests, Stage, train_stage, train_tokens
@@ -46,20 +46,7 @@ def _run_stage(work: Path, name: str, build, isolated: bool) -> dict:
 
 # --- source and data ---------------------------------------------------------------------------------------------
 def _source(work: Path, source: str) -> Path:
-    """The source model as an HF folder: an existing folder as is, else the GGUF imported into ``work`` (again
-    whenever the file differs from the one the folder was imported from)."""
-    if (Path(source) / 'config.json').is_file():
-        return Path(source).resolve()
-    from dha_train.gguf_io import PROVENANCE_FILE, import_gguf, resolve_source
-
-    folder = work / Path(source).name.removesuffix('.gguf')
-    path, _ = resolve_source(source)
-    provenance = folder / PROVENANCE_FILE
-    recorded = json.loads(provenance.read_text()).get('sha256') if provenance.is_file() else None
-    if not (folder / 'config.json').is_file() or recorded != file_sha256(path):
-        _say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
-        import_gguf(source, folder, overwrite=True)
-    return folder
+    return bench_source(work, source, say=_say)
 
 
 def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0) -> list[tuple[str, dict]]:
