@@ -40,6 +40,8 @@ from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
 from dha_train.untrusted import load_tokenizer_folder
 
+DOCUMENTS_FILE = 'eval_documents.json'  # each scored document's result, for paired comparisons
+
 
 def load_model(path: str | Path, device: str = 'cpu', dtype: str = 'float32'):
     """(model, tokenizer) from an HF folder or a Composer checkpoint / save folder."""
@@ -134,12 +136,17 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
              num_fewshot: int | None = None, limit: float | None = None, include: Sequence[str | Path] = (),
              out: str | Path | None = None, batch_size: int = 8, device: str = 'cpu', name: str | None = None,
              wandb_project: str | None = None, wandb_mode: str = 'offline', wandb_dir: str | None = None,
-             data: str | Path | None = None, train_tokens: int | None = None, seed: int = 1234) -> dict:
+             data: str | Path | None = None, train_tokens: int | None = None, seed: int = 1234,
+             documents: int | None = None) -> dict:
     """lm-eval scores of one model (and its validation loss on ``data``, a `dha-train data prep` folder), printed,
-    written to ``out``/eval_results.json and, with ``wandb_project``, logged to W&B."""
+    written to ``out``/eval_results.json (with lm-eval's standard errors) and, with ``wandb_project``, logged to
+    W&B; each scored document's result goes to ``out``/eval_documents.json. ``documents``: a seeded random sample of
+    that many documents per task (the same for every model given the same ``seed``) instead of the first ``limit``."""
     chosen = resolve_tasks(suite, tasks, num_fewshot)
     if limit is not None and limit <= 0:
         raise EvalError(f'--limit must be > 0, got {limit}')
+    if documents is not None and (documents <= 0 or limit is not None):
+        raise EvalError(f'--documents must be > 0 and not given with --limit, got {documents}')
     if data is not None and not Path(data).is_dir():
         raise EvalError(f'--data {data}: not a folder (give a `dha-train data prep` output with a val split)')
     # An explicit task list must be fully available offline; a suite scores what is and records the rest.
@@ -152,9 +159,10 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     model, tokenizer = load_model(model_path, device)
     losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
     scored = score_tasks(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
-                         device=device, seed=seed)
+                         device=device, seed=seed, documents=documents)
     source = Path(model_path)
     result = {'model': str(source.resolve()), 'name': name or source.name, 'suite': suite, 'limit': limit,
+              'documents': {'sampled': documents, 'seed': seed, 'file': DOCUMENTS_FILE} if documents else None,
               'scores': scored['scores'], 'missing_tasks': missing, 'task_data': scored['task_data'],
               'subtask_scores': scored['subtask_scores'],
               'kv_cache_bytes_per_4096_tokens': kv_cache_bytes(model.config),
@@ -164,6 +172,7 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+    (out / DOCUMENTS_FILE).write_text(json.dumps(scored['documents']))
     _add_scores_to_card(source, result, data)
     print_scores(result)
     if losses:

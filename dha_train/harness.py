@@ -480,21 +480,56 @@ def _summarise(records: list[dict]) -> dict:
     return summary
 
 
+def sampled_documents(task: str, count: int, seed: int, manager) -> list[int] | None:
+    """A seeded random sample of ``count`` document indices of ``task``'s scored split (sorted; every index when the
+    split has no more), the same for every model scored with the same seed; None for a group (mmlu), whose members
+    are scored whole or by ``limit``. The first N documents of a split are not a random sample of it."""
+    from lm_eval.tasks import get_task_dict
+
+    loaded = get_task_dict([task], manager).get(task)
+    docs = getattr(loaded, 'eval_docs', None)
+    if docs is None:
+        return None
+    total = len(docs)
+    return sorted(random.Random(seed).sample(range(total), count)) if count < total else list(range(total))
+
+
+def _per_document(samples: list[dict]) -> list[dict]:
+    """Each scored document's result: its index in the split, its metrics and its per-choice log-likelihoods
+    (what a paired comparison of two models on the same documents needs)."""
+    rows = []
+    for sample in samples:
+        row = {'doc_id': sample['doc_id']}
+        for key, value in sample.items():
+            if key in ('acc', 'acc_norm', 'exact_match', 'em', 'mc2', 'f1') and isinstance(value, (int, float)):
+                row[key] = float(value)
+        responses = sample.get('filtered_resps') or []
+        if responses and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in responses):
+            row['loglikelihoods'] = [float(r[0]) for r in responses]
+        rows.append(row)
+    return rows
+
+
 def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = None,
                 include: Sequence[str | Path] = (), batch_size: int = 8, device: str = 'cpu',
-                seed: int = 1234) -> dict[str, dict]:
+                seed: int = 1234, documents: int | None = None) -> dict[str, dict]:
     """lm-eval on a loaded HF model, one ``simple_evaluate`` per few-shot count, with the hub offline.
-    Returns ``scores`` {task: {metric: value, 'num_fewshot': n}} of the tasks asked for, ``subtask_scores`` (a
-    group's members, e.g. mmlu's subjects) and ``task_data`` {task: where its data came from: split scored,
-    few-shot split, lm-eval's own splits, the local folder}."""
+    Returns ``scores`` {task: {metric: value, metric_stderr: lm-eval's standard error, 'num_fewshot': n}} of the
+    tasks asked for, ``subtask_scores`` (a group's members, e.g. mmlu's subjects), ``task_data`` {task: where its
+    data came from: split scored, few-shot split, lm-eval's own splits, the local folder}, and ``documents`` {task:
+    each scored document's result (``_per_document``)}. ``documents``: score a seeded random sample of that many
+    documents per task (``sampled_documents``, seeded by ``seed``) instead of lm-eval's first ``limit``."""
     from lm_eval import simple_evaluate
 
     from dha_train.context_cache_lm import ContextCachedLM
 
+    if documents is not None and limit is not None:
+        raise EvalError('give either a document sample (documents) or a limit, not both')
     manager = task_manager(_resolved(include), tuple(chosen))
     scores: dict[str, dict[str, float]] = {}
     subtask_scores: dict[str, dict[str, float]] = {}
     task_data: dict[str, dict] = {}
+    per_document: dict[str, list[dict]] = {}
     records = getattr(getattr(manager, '_factory', None), 'records', {})
     by_shots: dict[int, list[str]] = {}
     for task, shots in chosen.items():
@@ -504,20 +539,28 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
         lm = ContextCachedLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                              max_length=model.config.max_position_embeddings)
         for shots, group in sorted(by_shots.items()):
-            output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots, limit=limit, task_manager=manager,
-                                     log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                                     torch_random_seed=seed, fewshot_random_seed=seed)
+            picks = None
+            if documents is not None:
+                picks = {task: ids for task in group
+                         if (ids := sampled_documents(task, documents, seed, manager)) is not None}
+            output = simple_evaluate(model=lm, tasks=group, num_fewshot=shots,
+                                     limit=limit if documents is None else None, samples=picks or None,
+                                     task_manager=manager, log_samples=True, random_seed=seed,
+                                     numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
             for task, metrics in output['results'].items():
                 values = {key.split(',')[0]: float(value) for key, value in metrics.items()
-                          if isinstance(value, (int, float)) and not key.startswith('alias') and 'stderr' not in key}
+                          if isinstance(value, (int, float)) and not key.startswith('alias')
+                          and value == value}  # lm-eval writes 'N/A' or NaN where it has no stderr
                 values['num_fewshot'] = shots
                 (scores if task in group else subtask_scores)[task] = values
+            for task, samples in (output.get('samples') or {}).items():
+                per_document[task] = _per_document(samples)
             members = output.get('group_subtasks', {})
             for task in group:
                 found = [records[leaf] for leaf in _leaves(task, members) if leaf in records]
                 if found:
                     task_data[task] = _summarise(found)
-    return {'scores': scores, 'subtask_scores': subtask_scores, 'task_data': task_data}
+    return {'scores': scores, 'subtask_scores': subtask_scores, 'task_data': task_data, 'documents': per_document}
 
 
 def score_model(model, tokenizer, chosen: dict[str, int], limit: float | None = None,

