@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import wandb
 from composer import Trainer
@@ -35,6 +36,7 @@ from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import TOKENIZER_FILES, has_tokenizer, load_causal_lm, load_model_config
 from dha_train.models.llama_layout import attention_modules
+from dha_train.ops.intervals import mean_of_means_interval
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
 from dha_train.train import close_trainer
@@ -91,6 +93,35 @@ def validation_loss(model, tokenizer, data_root: str | Path, batch_size: int = 8
 
 
 @torch.no_grad()
+def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8,
+                    device: str = 'cpu') -> dict[str, list[float]]:
+    """Each held-out sequence's mean next-token cross-entropy, per domain of a `dha-train data prep` folder's val split
+    (its packed sequences in shard order, read straight from the shards): what a 95% interval over sequences and a
+    paired comparison of two models on the same text need. Every sequence has the folder's length, so the mean of
+    these is ``validation_loss``'s per-domain figure."""
+    import torch.nn.functional as F
+
+    from dha_train.data.loaders import split_sequences
+    from dha_train.data.prep import read_manifest
+
+    check_data_matches_model(str(data_root), vocab_size=model.config.vocab_size,
+                             max_seq_len=model.config.max_position_embeddings, where='--data', tokenizer=tokenizer)
+    losses: dict[str, list[float]] = {}
+    for domain in sorted(read_manifest(str(data_root))['domains']):
+        try:
+            sequences = split_sequences(data_root, domain, 'val')
+        except FileNotFoundError:
+            continue  # a domain with no val split
+        values = []
+        for start in range(0, len(sequences), batch_size):
+            batch = torch.as_tensor(np.stack(sequences[start:start + batch_size]).astype(np.int64), device=device)
+            logits = model(input_ids=batch).logits[:, :-1].float()
+            values += F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction='none').mean(dim=1).tolist()
+        losses[domain] = values
+    return losses
+
+
+@torch.no_grad()
 def attention_output_errors(teacher, student, input_ids: torch.Tensor) -> list[float]:
     """Per layer, ``||a_s - a_t|| / ||a_t||`` of the attention output (after ``o_proj``) on ``input_ids``, where
     the student's layer reads the teacher's input to that layer: each figure is that layer's own error, not the sum
@@ -141,7 +172,8 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     """lm-eval scores of one model (and its validation loss on ``data``, a `dha-train data prep` folder), printed,
     written to ``out``/eval_results.json (with lm-eval's standard errors) and, with ``wandb_project``, logged to
     W&B; each scored document's result goes to ``out``/eval_documents.json. ``documents``: a seeded random sample of
-    that many documents per task (the same for every model given the same ``seed``) instead of the first ``limit``."""
+    that many documents per task (the same for every model given the same ``seed``) instead of the first ``limit``;
+    with ``data`` too, each held-out sequence's loss goes there as well and ``val_loss_ci95`` is its 95% interval."""
     chosen = resolve_tasks(suite, tasks, num_fewshot)
     if limit is not None and limit <= 0:
         raise EvalError(f'--limit must be > 0, got {limit}')
@@ -172,7 +204,11 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
-    (out / DOCUMENTS_FILE).write_text(json.dumps(scored['documents']))
+    sequences = sequence_losses(model, tokenizer, data, batch_size, device) if data is not None and documents else None
+    if sequences:  # the held-out loss's 95% interval over sequences (the mean of the domains' means, as val_loss)
+        result['val_loss_ci95'] = mean_of_means_interval(sequences)[1]
+        (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+    (out / DOCUMENTS_FILE).write_text(json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences}))
     _add_scores_to_card(source, result, data)
     print_scores(result)
     if losses:

@@ -110,7 +110,7 @@ def test_a_seeded_document_sample_with_stderr_and_each_documents_result(model_di
 
     runs = [run_eval(model_dir, tasks=['piqa'], documents=LIMIT, out=tmp_path / name, seed=seed)
             for name, seed in (('a', 7), ('b', 7), ('c', 8))]
-    documents = [json.loads((tmp_path / name / DOCUMENTS_FILE).read_text())['piqa'] for name in 'abc']
+    documents = [json.loads((tmp_path / name / DOCUMENTS_FILE).read_text())['tasks']['piqa'] for name in 'abc']
     ids = [[row['doc_id'] for row in rows] for rows in documents]
     assert ids[0] == ids[1] != ids[2] and len(ids[0]) == LIMIT == len(set(ids[0]))
     assert ids[0] != list(range(LIMIT))  # not the split's first documents

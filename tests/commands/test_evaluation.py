@@ -246,3 +246,32 @@ def test_eval_adds_its_scores_to_the_card_of_a_folder_the_project_wrote(models, 
     assert loss_entry['loss'] == pytest.approx(results['dha']['val_loss'])
     assert header['dha_train']['method'] == 'mean_pool'  # the rest of the card is kept
     assert not (models['mha'] / 'README.md').exists()
+
+
+def test_each_held_out_sequence_loss_averages_to_the_validation_loss(models, evaluated, data_root):
+    """``sequence_losses``: one loss per packed val sequence and domain, whose mean is the validation loss the
+    Composer evaluators measured (every sequence has the same length); what intervals over sequences are taken from."""
+    from dha_train.evaluation import load_model, sequence_losses
+
+    model, tokenizer = load_model(models['dha'])
+    losses = sequence_losses(model, tokenizer, data_root, batch_size=3)
+    measured = evaluated[1]['dha']['val_loss_per_domain']
+    assert set(losses) == {'github', 'wikipedia'}
+    for domain, values in losses.items():
+        assert len(values) > 3 and len(set(values)) == len(values)
+        assert sum(values) / len(values) == pytest.approx(measured[domain], rel=1e-5)
+
+
+def test_a_sampled_eval_with_data_records_each_sequence_and_the_interval(models, local_task, data_root, tmp_path):
+    import json
+    import math
+
+    from dha_train.evaluation import DOCUMENTS_FILE
+
+    result = run_eval(models['mha'], suite='local', include=[local_task], out=tmp_path, documents=8, data=data_root)
+    sequences = json.loads((tmp_path / DOCUMENTS_FILE).read_text())['heldout_sequences']
+    means = [sum(values) / len(values) for values in sequences.values()]
+    assert result['val_loss'] == pytest.approx(sum(means) / len(means), rel=1e-5)
+    variances = [sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)
+                 for values, m in zip(sequences.values(), means)]
+    assert result['val_loss_ci95'] == pytest.approx(1.959964 * math.sqrt(sum(variances)) / len(means), rel=1e-5)
