@@ -199,7 +199,7 @@ def test_an_edited_serving_figure_fails():
 
 def mla_zero_problems(markdown: str) -> list[str]:
     """The rows of `bench mla-zero`'s table (docs/results/mla_zero.json) that the docs do not quote as printed."""
-    from dha_train.commands.bench.real.mla_zero import markdown_table
+    from dha_train.commands.bench.mla_zero import markdown_table
 
     results = json.loads((RESULTS / 'mla_zero.json').read_text())
     lines = markdown_table(results).splitlines()

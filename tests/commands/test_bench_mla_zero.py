@@ -12,15 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dha_train.bench_runner import text_documents, text_files
 from dha_train.calibration import calibrate, calibration_batches
-from dha_train.commands.bench.real.mla_zero import (
-    MlaZeroSettings,
-    calibration_sequences,
-    check_transmla,
-    run_mla_zero_bench,
-    text_documents,
-    text_files,
-)
+from dha_train.commands.bench.mla_zero import MlaZeroSettings, calibration_sequences, check_transmla, run_mla_zero_bench
 from dha_train.config import ConfigError
 from dha_train.evaluation import attention_output_errors
 from dha_train.harness import LOCAL_TASK, build_local_task

@@ -213,16 +213,16 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
 
 
 def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not_merged(tmp_path):
-    from dha_train.commands.bench.real.report import _earlier_results
+    from dha_train.commands.bench.real.report import earlier_results
 
     path = tmp_path / 'results.json'
     earlier = {'source': {'name': 'other'}, 'settings': {'limit': 50}, 'rows': [{'label': 'x', 'method': 'mla',
                                                                               'budget': 'kv1'}]}
     path.write_text(json.dumps(earlier))
     now = {'source': {'name': 'other'}, 'settings': {'limit': 50, 'methods': ['mean_pool']}}
-    assert _earlier_results(path, now, RealSettings(methods=('mean_pool',))) == (earlier['rows'], [])
-    assert _earlier_results(path, now, RealSettings(methods=('mla',), budgets=('kv1',))) == ([], [])
-    assert _earlier_results(path, {**now, 'settings': {'limit': 5}}, RealSettings()) == ([], [])
+    assert earlier_results(path, now, RealSettings(methods=('mean_pool',))) == (earlier['rows'], [])
+    assert earlier_results(path, now, RealSettings(methods=('mla',), budgets=('kv1',))) == ([], [])
+    assert earlier_results(path, {**now, 'settings': {'limit': 5}}, RealSettings()) == ([], [])
     assert not path.exists()
     assert json.loads((tmp_path / 'results.replaced-1.json').read_text()) == earlier
 

@@ -36,14 +36,14 @@ from dha_train.commands.bench.eval_speed import EvalSpeedSettings, run_eval_spee
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
+from dha_train.commands.bench.mla_zero import ROWS as MLA_ZERO_ROWS
+from dha_train.commands.bench.mla_zero import MlaZeroSettings, run_mla_zero_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
 from dha_train.commands.bench.real import BUDGETS as REAL_BUDGETS
 from dha_train.commands.bench.real import METHODS as REAL_METHODS
 from dha_train.commands.bench.real import TASKS as REAL_TASKS
 from dha_train.commands.bench.real import RealSettings, run_real_bench
-from dha_train.commands.bench.real.mla_zero import ROWS as MLA_ZERO_ROWS
-from dha_train.commands.bench.real.mla_zero import MlaZeroSettings, run_mla_zero_bench
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench

@@ -71,10 +71,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from dha_train.bench_runner import model_config, prepare_data, say, source_folder
+from dha_train.bench_settings import BUDGETS, METHODS, TASKS, RealSettings, resolve_settings
 from dha_train.commands.bench.real.methods import RealBench
-from dha_train.commands.bench.real.report import _earlier_results, _in_bench_order, _plot, _print_table
-from dha_train.commands.bench.real.runner import _config, _prepare_data, _say, _source
-from dha_train.commands.bench.real.settings import BUDGETS, METHODS, TASKS, RealSettings, resolve_settings
+from dha_train.commands.bench.real.report import earlier_results, in_bench_order, plot_rows, print_table
 from dha_train.model_folders import folder_digest
 
 __all__ = ['BUDGETS', 'METHODS', 'TASKS', 'RealSettings', 'run_real_bench']
@@ -85,11 +85,11 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
     work = Path(settings.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    source = _source(work, settings.source)
+    source = source_folder(work, settings.source)
     source_digest = folder_digest(source)
-    train_data, heldout, data = _prepare_data(work, source, settings, source_digest)
+    train_data, heldout, data = prepare_data(work, source, settings, source_digest)
     bench = RealBench(settings, work, source, source_digest, train_data, heldout)
-    config = _config(source)
+    config = model_config(source)
     results = {
         'source': {'name': Path(source).name, 'folder': str(source), 'sha256': source_digest,
                    'layers': config.num_hidden_layers,
@@ -107,10 +107,10 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
         'task_splits': bench.task_data, 'rows': bench.rows, 'skipped': bench.skipped,
     }
 
-    kept_rows, kept_skipped = _earlier_results(work / 'results.json', results, settings)
+    kept_rows, kept_skipped = earlier_results(work / 'results.json', results, settings)
 
     def save() -> None:
-        results['rows'] = _in_bench_order([*kept_rows, *bench.rows])
+        results['rows'] = in_bench_order([*kept_rows, *bench.rows])
         results['skipped'] = [*kept_skipped, *bench.skipped]
         results['total_seconds'] = round(time.perf_counter() - started, 1)
         (work / 'results.json').write_text(json.dumps(results, indent=2, default=str))
@@ -121,16 +121,16 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
         for method in settings.methods:
             if method == 'moh':
                 continue
-            _say(f'{method} at {budget}')
+            say(f'{method} at {budget}')
             getattr(bench, method)(budget)
             save()
     if 'moh' in settings.methods:
-        _say('MoH')
+        say('MoH')
         bench.moh()
         save()
-    results['plots'] = _plot(results, work)
+    results['plots'] = plot_rows(results, work)
     save()
-    _print_table(results)
+    print_table(results)
     print(f'  results.json in {work} ({results["total_seconds"]:.0f} s)')
     return results
 

@@ -11,8 +11,8 @@ import torch
 
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
-from dha_train.commands.bench.real.runner import StageRunner, _say
-from dha_train.commands.bench.real.settings import MOH_ACTIVE, moh_setting
+from dha_train.bench_runner import StageRunner, say
+from dha_train.bench_settings import MOH_ACTIVE, moh_setting
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
@@ -57,7 +57,7 @@ class RealBench(StageRunner):
             reason = (f'aligned GQA needs equal groups: num_groups={heads} does not divide the source\'s {num_source} '
                       'K/V heads per layer')
             self.skipped.append({'method': 'aligned_gqa', 'budget': budget, 'reason': reason})
-            _say(f'aligned GQA {budget}: skipped ({reason})')
+            say(f'aligned GQA {budget}: skipped ({reason})')
             return
         s = self.settings
         name = f'agqa-{budget}'
@@ -123,7 +123,7 @@ class RealBench(StageRunner):
                                       'method': 'asym_gqa', 'same_as': row['label'], 'note': note,
                                       'group_sizes': sizes})
                 return
-            _say(f'AsymGQA {budget}: {note}; mean-pool not run, so it runs here')
+            say(f'AsymGQA {budget}: {note}; mean-pool not run, so it runs here')
         converted = self._convert_to(f'{name}-convert', found['head_map'])
         seconds = found['seconds'] + converted['seconds']
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dha_train.commands.bench.real.runner import _say
-from dha_train.commands.bench.real.settings import BUDGETS, METHODS, RealSettings
+from dha_train.bench_runner import say
+from dha_train.bench_settings import BUDGETS, METHODS, RealSettings
 
 
-def _print_table(results: dict) -> None:
+def print_table(results: dict) -> None:
     tasks = results['settings']['tasks']
     short = {'piqa': 'piqa', 'arc_easy': 'arcE', 'arc_challenge': 'arcC', 'hellaswag': 'hswag', 'winogrande': 'wino',
              'sciq': 'sciq'}
@@ -32,7 +32,7 @@ def _print_table(results: dict) -> None:
           'seconds up to the row (reused stages count their recorded time); eval s: that row\'s evaluation')
 
 
-def _plot(results: dict, work: Path) -> list[str]:
+def plot_rows(results: dict, work: Path) -> list[str]:
     from dha_train.plots import plot_curves
 
     curves: dict[str, list] = {}
@@ -72,7 +72,7 @@ def _ran_here(row: dict, settings: RealSettings) -> bool:
     return row['method'] in settings.methods and (row['method'] == 'moh' or row['budget'] in settings.budgets)
 
 
-def _earlier_results(path: Path, results: dict, settings: RealSettings) -> tuple[list, list]:
+def earlier_results(path: Path, results: dict, settings: RealSettings) -> tuple[list, list]:
     """The rows and skip notes of an earlier ``results.json`` in the same folder that this invocation does not
     produce again, so a run of some methods or budgets adds to the table instead of replacing it. Only when the
     earlier run used the same source and settings (apart from which methods and budgets ran); otherwise it is
@@ -91,16 +91,16 @@ def _earlier_results(path: Path, results: dict, settings: RealSettings) -> tuple
         while (path.parent / f'results.replaced-{number}.json').exists():
             number += 1
         kept = path.rename(path.parent / f'results.replaced-{number}.json')
-        _say(f'results.json of other settings or another source kept as {kept.name}')
+        say(f'results.json of other settings or another source kept as {kept.name}')
         return [], []
     rows = [row for row in earlier.get('rows', []) if not _ran_here(row, settings)]
     skipped = [entry for entry in earlier.get('skipped', []) if not _ran_here(entry, settings)]
     if rows:
-        _say(f'keeping {len(rows)} rows of earlier runs in results.json (methods or budgets not run now)')
+        say(f'keeping {len(rows)} rows of earlier runs in results.json (methods or budgets not run now)')
     return rows, skipped
 
 
-def _in_bench_order(rows: list[dict]) -> list[dict]:
+def in_bench_order(rows: list[dict]) -> list[dict]:
     """The teacher, then by budget (``BUDGETS`` order), by method (``METHODS`` order), then MoH; each method's rows
     in the order they were made."""
     def place(names, name) -> int:  # a name this version does not know goes last

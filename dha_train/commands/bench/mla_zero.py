@@ -28,11 +28,7 @@ own input (``evaluation.attention_output_errors``): where the loss goes. Writes 
 
 from __future__ import annotations
 
-import glob
-import html
 import json
-import os
-import random
 import re
 import shutil
 import subprocess
@@ -40,14 +36,21 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dha_train.commands.bench.real.runner import StageRunner, _config, _prepare_data, _say, _source
-from dha_train.commands.bench.real.settings import RealSettings, resolve_settings
+from dha_train.bench_runner import (
+    StageRunner,
+    model_config,
+    prepare_data,
+    say,
+    source_folder,
+    text_documents,
+    text_files,
+)
+from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.config import ConfigError
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
@@ -98,63 +101,6 @@ class MlaZeroSettings:
 
 
 # --- texts --------------------------------------------------------------------------------------------------------
-class _VisibleText(HTMLParser):
-    """An HTML page's visible text, paragraph breaks kept, navigation, scripts and styles left out."""
-
-    HIDDEN = ('script', 'style', 'nav', 'head')
-    BLOCKS = ('p', 'pre', 'h1', 'h2', 'h3', 'h4', 'li', 'div', 'tr')
-
-    def __init__(self):
-        super().__init__()
-        self.parts: list[str] = []
-        self.hidden = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.hidden += tag in self.HIDDEN
-
-    def handle_endtag(self, tag):
-        if tag in self.HIDDEN:
-            self.hidden = max(0, self.hidden - 1)
-        if tag in self.BLOCKS:
-            self.parts.append('\n')
-
-    def handle_data(self, data):
-        if not self.hidden:
-            self.parts.append(data)
-
-
-def text_files(where: str) -> list[Path]:
-    """The files a text is made of: every file under a folder, or the files a glob (``~`` expanded) matches."""
-    where = os.path.expanduser(where)
-    if Path(where).is_dir():
-        return sorted(p for p in Path(where).rglob('*') if p.is_file())
-    return sorted(Path(p) for p in glob.glob(where) if Path(p).is_file())
-
-
-def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
-    """The visible text of every HTML file and the text of every .txt, .md or .rst file of at least ``min_chars``,
-    deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
-    documents, seen = [], set()
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst'):
-            continue
-        try:
-            raw = path.read_text(encoding='utf-8')
-        except (OSError, UnicodeDecodeError):
-            continue
-        if suffix in ('.html', '.htm'):
-            parser = _VisibleText()
-            parser.feed(raw)
-            raw = html.unescape(''.join(parser.parts))
-        text = re.sub(r'\n\s*\n+', '\n\n', raw).strip()
-        if len(text) >= min_chars and text not in seen:
-            seen.add(text)
-            documents.append((text, {'path': str(path)}))
-    random.Random(seed).shuffle(documents)
-    return documents
-
-
 def _text_folder(runner: StageRunner, name: str, where: str, files: list[Path], settings: MlaZeroSettings) -> Path:
     """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``text_tokens``."""
 
@@ -187,7 +133,7 @@ def calibration_sequences(source: Path, data: Path, tokens: int, batch_size: int
     from dha_train.calibration import calibration_batches
 
     rows, count = [], 0
-    stream = calibration_batches(source, _config(source), data=str(data), split='train', batch_size=batch_size,
+    stream = calibration_batches(source, model_config(source), data=str(data), split='train', batch_size=batch_size,
                                  seed=seed, who='bench mla-zero')
     try:
         for batch in stream:
@@ -256,9 +202,9 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         isolate_stages=settings.isolate_stages))
     work = Path(real.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    source = _source(work, real.source)
+    source = source_folder(work, real.source)
     digest = folder_digest(source)
-    train_data, heldout, data = _prepare_data(work, source, real, digest)
+    train_data, heldout, data = prepare_data(work, source, real, digest)
     runner = StageRunner(real, work, source, digest, train_data, heldout)
     runs = work / 'mla_zero'
 
@@ -276,7 +222,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         texts[name] = _text_folder(runner, name.replace('_', '-'), given or default, files, settings)
         notes[name] = f'{given or default} ({what})'
 
-    config = _config(source)
+    config = model_config(source)
     kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
     numbers = 2 * kv_heads * dim  # the source's cached numbers per token per layer
     calibration = {'data': str(train_data), 'tokens': settings.tokens, 'batch_size': CALIBRATION_BATCH,
@@ -361,7 +307,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 results.setdefault('skipped', []).append({'row': row, 'budget': budget,
                                                           'reason': 'no --transmla checkout given'})
                 continue
-            _say(f'mla-zero: {LABELS[row]} at {budget}')
+            say(f'mla-zero: {LABELS[row]} at {budget}')
             started = time.perf_counter()
             build, reads = conversion(row, budget)
             converted = runner.stage(runs, f'{row}-{budget}', build, **reads)

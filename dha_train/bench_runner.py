@@ -3,16 +3,21 @@ only when every setting it reads is as before."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import html
 import json
+import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict
+from html.parser import HTMLParser
 from pathlib import Path
 
+from dha_train.bench_settings import RealSettings
 from dha_train.bench_support import bench_source
-from dha_train.commands.bench.real.settings import RealSettings
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
@@ -31,22 +36,22 @@ _HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|t
                             re.IGNORECASE)
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f'[bench real] {message}', flush=True)
 
 
-def _run_stage(work: Path, name: str, build, isolated: bool) -> dict:
+def run_stage(work: Path, name: str, build, isolated: bool) -> dict:
     def build_in_folder(folder: Path) -> dict:  # this bench's stages write into a folder made for them
         folder.mkdir(parents=True, exist_ok=True)
         return build(folder)
 
     # each stage in its own process (isolated): one process building 135M model after model grew ~1 GB per stage
-    return Stage(work, name).run(build_in_folder, _say, isolated=isolated)
+    return Stage(work, name).run(build_in_folder, say, isolated=isolated)
 
 
 # --- source and data ---------------------------------------------------------------------------------------------
-def _source(work: Path, source: str) -> Path:
-    return bench_source(work, source, say=_say)
+def source_folder(work: Path, source: str) -> Path:
+    return bench_source(work, source, say=say)
 
 
 def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0) -> list[tuple[str, dict]]:
@@ -83,7 +88,65 @@ def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, s
     return chosen
 
 
-def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_digest: str) -> tuple[Path, Path, dict]:
+# --- texts any bench scores: HTML pages and plain text files -----------------------------------------------------
+class _VisibleText(HTMLParser):
+    """An HTML page's visible text, paragraph breaks kept, navigation, scripts and styles left out."""
+
+    HIDDEN = ('script', 'style', 'nav', 'head')
+    BLOCKS = ('p', 'pre', 'h1', 'h2', 'h3', 'h4', 'li', 'div', 'tr')
+
+    def __init__(self):
+        super().__init__()
+        self.parts: list[str] = []
+        self.hidden = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.hidden += tag in self.HIDDEN
+
+    def handle_endtag(self, tag):
+        if tag in self.HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        if tag in self.BLOCKS:
+            self.parts.append('\n')
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def text_files(where: str) -> list[Path]:
+    """The files a text is made of: every file under a folder, or the files a glob (``~`` expanded) matches."""
+    where = os.path.expanduser(where)
+    if Path(where).is_dir():
+        return sorted(p for p in Path(where).rglob('*') if p.is_file())
+    return sorted(Path(p) for p in glob.glob(where) if Path(p).is_file())
+
+
+def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
+    """The visible text of every HTML file and the text of every .txt, .md or .rst file of at least ``min_chars``,
+    deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
+    documents, seen = [], set()
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst'):
+            continue
+        try:
+            raw = path.read_text(encoding='utf-8')
+        except (OSError, UnicodeDecodeError):
+            continue
+        if suffix in ('.html', '.htm'):
+            parser = _VisibleText()
+            parser.feed(raw)
+            raw = html.unescape(''.join(parser.parts))
+        text = re.sub(r'\n\s*\n+', '\n\n', raw).strip()
+        if len(text) >= min_chars and text not in seen:
+            seen.add(text)
+            documents.append((text, {'path': str(path)}))
+    random.Random(seed).shuffle(documents)
+    return documents
+
+
+def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_digest: str) -> tuple[Path, Path, dict]:
     """The training data (the stdlib corpus) and the held-out validation data (/usr/share/doc), both tokenized
     with the source's tokenizer at the bench's sequence length; their folders are named by the source's digest
     too, so another model in a folder of the same name never reads data made with the old tokenizer."""
@@ -121,9 +184,9 @@ def _prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_di
     if settings.train_data is not None:
         train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
     else:
-        train = _run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}',
+        train = run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}',
                            train_data, settings.isolate_stages)
-    heldout = _run_stage(work, f'data-heldout-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}'
+    heldout = run_stage(work, f'data-heldout-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}'
                                f'-v{settings.val_tokens}', heldout_data, settings.isolate_stages)
     return Path(train['root']), Path(heldout['root']), {'train': train, 'heldout': heldout}
 
@@ -138,7 +201,7 @@ class StageRunner:
                  heldout: Path):
         self.settings, self.work, self.source = settings, work, source
         self.train_data, self.heldout = train_data, heldout
-        self.source_map = HeadMap.from_hf_config(_config(source))
+        self.source_map = HeadMap.from_hf_config(model_config(source))
         self.batches = max(settings.tokens // (settings.batch * settings.seq_len), 1)
         self.tokens = self.batches * settings.batch * settings.seq_len
         self.rows: list[dict] = []
@@ -162,7 +225,7 @@ class StageRunner:
         inputs = json.dumps({'common': self.common, **reads}, sort_keys=True, default=str)
         # paths inside the bench's folder count from it, so the folder may move and keep its stages
         digest = hashlib.sha256(inputs.replace(str(self.work), '<bench>').encode()).hexdigest()[:10]
-        return _run_stage(work, f'{name}-{digest}', build, self.settings.isolate_stages)
+        return run_stage(work, f'{name}-{digest}', build, self.settings.isolate_stages)
 
     # common recipe overrides: folders, batch, device, steps
     def overrides(self, name: str, steps: int, seed: int | None = None, **variables) -> list[str]:
@@ -280,7 +343,7 @@ class StageRunner:
 
 
 
-def _config(folder: Path):
+def model_config(folder: Path):
     from dha_train.model_folders import load_model_config
 
     return load_model_config(folder, who='bench real')
