@@ -21,7 +21,7 @@ from dha_train.bench_support import bench_source
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
-from dha_train.evaluation import run_eval
+from dha_train.evaluation import DOCUMENTS_FILE, run_eval
 from dha_train.export import export_hf
 from dha_train.harness import headline
 from dha_train.models.head_map import HeadMap
@@ -266,7 +266,8 @@ class StageRunner:
         key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
 
         def build(out: Path) -> dict:
-            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, limit=s.limit, include=s.include, out=out,
+            # a seeded random sample of each task's split, the same documents for every row (paired comparisons)
+            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, documents=s.limit, include=s.include, out=out,
                               batch_size=s.eval_batch_size, device=s.device, name=label, data=self.heldout,
                               train_tokens=tokens, seed=s.seed)
             accuracy = {}
@@ -276,6 +277,7 @@ class StageRunner:
                 accuracy[task] = picked[1] if picked else None
                 metric[task] = picked[0] if picked else None
             return {'val_loss': result['val_loss'], 'accuracy': accuracy, 'metric': metric,
+                    'val_loss_ci95': result.get('val_loss_ci95'), 'documents_file': str(out / DOCUMENTS_FILE),
                     'kv_bytes': result['kv_cache_bytes_per_4096_tokens'], 'model_type': result['model_type'],
                     'task_data': {task: {k: v for k, v in data.items() if k in ('split', 'lm_eval_split', 'data', 'note')}
                                   for task, data in result.get('task_data', {}).items()}}
@@ -288,7 +290,8 @@ class StageRunner:
                'mean_accuracy': sum(values) / len(values) if values else None, 'kv_bytes': scored['kv_bytes'],
                'kv_fraction_of_source': scored['kv_bytes'] / self.teacher_kv_bytes if self.rows else 1.0,
                'model_type': scored['model_type'], 'wall_s': round(build_seconds, 1), 'eval_s': scored['seconds'],
-               'hf_folder': str(hf), **extra}
+               'hf_folder': str(hf), 'val_loss_ci95': scored.get('val_loss_ci95'),
+               'documents_file': scored.get('documents_file'), **extra}
         if not self.task_data and scored.get('task_data'):
             self.task_data.update(scored['task_data'])
         self.rows.append(row)

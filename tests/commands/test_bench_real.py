@@ -226,3 +226,41 @@ def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not
     assert not path.exists()
     assert json.loads((tmp_path / 'results.replaced-1.json').read_text()) == earlier
 
+
+
+def test_rows_get_intervals_and_paired_differences_from_their_documents(tmp_path, capsys):
+    """``add_intervals``: each row that kept its documents gets its mean accuracy's 95% interval and paired
+    differences from the teacher and from mean-pool at the same budget and stage; an identical row differs by exactly
+    0, a row right on every document where the teacher was wrong differs significantly."""
+    from dha_train.commands.bench.real.report import add_intervals, print_intervals
+
+    def documents(name: str, accuracy: list[float], losses: list[float]) -> str:
+        path = tmp_path / f'{name}.json'
+        path.write_text(json.dumps({'tasks': {'piqa': [{'doc_id': i, 'acc': a} for i, a in enumerate(accuracy)]},
+                                    'heldout_sequences': {'book': losses}}))
+        return str(path)
+
+    wrong = [0.0, 1.0] * 20
+    right = [1.0] * 40
+    losses = [3.0 + 0.01 * i for i in range(30)]
+
+    def row(label, method, budget, accuracy, loss_shift):
+        return {'label': label, 'method': method, 'budget': budget, 'tokens': 0, 'metric': {'piqa': 'acc'},
+                'mean_accuracy': sum(accuracy) / len(accuracy), 'val_loss': 3.145 + loss_shift, 'val_loss_ci95': 0.01,
+                'documents_file': documents(label, accuracy, [v + loss_shift for v in losses])}
+
+    results = {'rows': [row('teacher', 'teacher', None, wrong, 0.0), row('mean-pool kv1 @0', 'mean_pool', 'kv1', wrong,
+                                                                           0.5),
+                        row('DHA kv1 @0', 'dha', 'kv1', right, 0.5), {'label': 'old row', 'method': 'dha',
+                                                                       'budget': 'kv2', 'metric': {}}]}
+    add_intervals(results, seed=1)
+    rows = {r['label']: r for r in results['rows']}
+    assert rows['mean-pool kv1 @0']['vs_teacher']['accuracy'] == [0.0, 0.0, 0.0]
+    assert rows['mean-pool kv1 @0']['vs_teacher']['loss'] == pytest.approx([0.5, 0.5, 0.5])
+    difference, low, high = rows['DHA kv1 @0']['vs_mean_pool']['accuracy']
+    assert difference == pytest.approx(0.5) and 0 < low <= 0.5 <= high
+    assert rows['DHA kv1 @0']['accuracy_ci95'] == 0.0 and 'vs_mean_pool' not in rows['mean-pool kv1 @0']
+    assert 'accuracy_ci95' not in rows['old row']
+    print_intervals(results)
+    printed = capsys.readouterr().out
+    assert '+0.500 [' in printed and ']*' in printed and 'old row' not in printed

@@ -165,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--tokens', type=int, default=None,
                       help='training tokens of every method (default: 32,768 on CPU, 6,553,600 on cuda)')
     real.add_argument('--limit', type=int, default=None,
-                      help='first N documents of each task (default: 50 on CPU, 500 on cuda)')
+                      help='a seeded random sample of N documents of each task, the same for every row (default: 400 '
+                      'on CPU, 500 on cuda)')
     real.add_argument('--seq-len', dest='seq_len', type=int, default=None, help='default 256 on CPU, 512 on cuda')
     real.add_argument('--batch', type=int, default=None, help='global batch in sequences (default 8 CPU, 32 cuda)')
     real.add_argument('--microbatch', type=int, default=None, help='device microbatch (default: the batch)')

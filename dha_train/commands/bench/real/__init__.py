@@ -74,7 +74,14 @@ from pathlib import Path
 from dha_train.bench_runner import model_config, prepare_data, say, source_folder
 from dha_train.bench_settings import BUDGETS, METHODS, TASKS, RealSettings, resolve_settings
 from dha_train.commands.bench.real.methods import RealBench
-from dha_train.commands.bench.real.report import earlier_results, in_bench_order, plot_rows, print_table
+from dha_train.commands.bench.real.report import (
+    add_intervals,
+    earlier_results,
+    in_bench_order,
+    plot_rows,
+    print_intervals,
+    print_table,
+)
 from dha_train.model_folders import folder_digest
 
 __all__ = ['BUDGETS', 'METHODS', 'TASKS', 'RealSettings', 'run_real_bench']
@@ -129,8 +136,10 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
         bench.moh()
         save()
     results['plots'] = plot_rows(results, work)
+    add_intervals(results, seed=settings.seed)  # on the row dicts themselves, which save() keeps
     save()
     print_table(results)
+    print_intervals(results)
     print(f'  results.json in {work} ({results["total_seconds"]:.0f} s)')
     return results
 

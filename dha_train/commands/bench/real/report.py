@@ -9,13 +9,88 @@ from dha_train.bench_runner import say
 from dha_train.bench_settings import BUDGETS, METHODS, RealSettings
 
 
+def _paired_items(row: dict) -> tuple[dict, dict] | None:
+    """A row's per-document accuracies (its headline metric, per task) and per-sequence held-out losses (per
+    domain), from its evaluation's documents file; None for a row evaluated without one (older runs)."""
+    path = row.get('documents_file')
+    if not path or not Path(path).is_file():
+        return None
+    saved = json.loads(Path(path).read_text())
+    accuracy = {task: [doc[row['metric'][task]] for doc in docs] for task, docs in saved['tasks'].items()
+                if row['metric'].get(task)}
+    return accuracy, saved.get('heldout_sequences') or {}
+
+
+def add_intervals(results: dict, seed: int = 0) -> None:
+    """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
+    differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget and stage
+    (``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their
+    documents."""
+    from dha_train.ops.intervals import mean_of_means_interval, paired_difference
+
+    items = {row['label']: _paired_items(row) for row in results['rows']}
+    teacher = next((row['label'] for row in results['rows'] if row['method'] == 'teacher'), None)
+    for row in results['rows']:
+        mine = items[row['label']]
+        if mine is None:
+            continue
+        row['accuracy_ci95'] = mean_of_means_interval(mine[0])[1]
+        stage = row['label'].split(str(row['budget']), 1)[-1] if row['budget'] else None
+        peer = next((other['label'] for other in results['rows'] if other['method'] == 'mean_pool'
+                     and other['budget'] == row['budget'] and stage is not None
+                     and other['label'].split(str(other['budget']), 1)[-1] == stage
+                     and other['tokens'] == row['tokens']), None)
+        for key, reference in (('vs_teacher', teacher), ('vs_mean_pool', peer)):
+            theirs = items.get(reference) if reference not in (None, row['label']) else None
+            if theirs is None:
+                continue
+            row[key] = {'accuracy': list(paired_difference(theirs[0], mine[0], seed=seed))}
+            if mine[1] and theirs[1]:
+                row[key]['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed))
+
+
+def with_interval(value: float | None, half: float | None, digits: int = 3) -> str:
+    """``value ± half`` as the tables print a figure (the value alone where no interval was measured)."""
+    if value is None:
+        return '-'
+    return f'{value:.{digits}f}' + (f' ± {half:.{digits}f}' if half is not None else '')
+
+
+def marked_difference(difference: list[float] | None, digits: int = 3) -> str:
+    """A paired difference and its interval, ``*`` where the interval excludes 0 (significant at 95%)."""
+    from dha_train.ops.intervals import excludes_zero
+
+    if not difference:
+        return '-'
+    value, low, high = difference
+    return f'{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]' + ('*' if excludes_zero(low, high) else '')
+
+
+def print_intervals(results: dict) -> None:
+    """The rows that kept their documents: loss and mean accuracy with 95% intervals, and the paired differences
+    from the teacher and from mean-pool at the same budget and stage (* : the interval excludes 0)."""
+    rows = [row for row in results['rows'] if row.get('accuracy_ci95') is not None]
+    if not rows:
+        return
+    print(f'\n  {"row":<28} {"val loss":>16} {"mean acc":>15}  {"loss - teacher":>26} {"acc - teacher":>26} '
+          f'{"acc - mean-pool":>26}')
+    for row in rows:
+        versus_teacher = row.get('vs_teacher') or {}
+        print(f'  {row["label"]:<28} {with_interval(row["val_loss"], row.get("val_loss_ci95")):>16} '
+              f'{with_interval(row["mean_accuracy"], row["accuracy_ci95"]):>15}  '
+              f'{marked_difference(versus_teacher.get("loss")):>26} {marked_difference(versus_teacher.get("accuracy")):>26} '
+              f'{marked_difference((row.get("vs_mean_pool") or {}).get("accuracy")):>26}')
+    print('  ± : 95% interval (loss over held-out sequences, accuracy over documents); [ ] : paired bootstrap 95% '
+          'interval of the difference on the same documents and sequences; * : it excludes 0')
+
+
 def print_table(results: dict) -> None:
     tasks = results['settings']['tasks']
     short = {'piqa': 'piqa', 'arc_easy': 'arcE', 'arc_challenge': 'arcC', 'hellaswag': 'hswag', 'winogrande': 'wino',
              'sciq': 'sciq'}
     print()
     print(f'{results["source"]["name"]}: every method at two K+V budgets of the source cache; '
-          f'accuracy on the first {results["settings"]["limit"]} docs per task (0-shot), val loss on held-out text')
+          f'accuracy on {results["settings"]["limit"]} sampled docs per task (0-shot), val loss on held-out text')
     header = (f'  {"row":<28} {"KV MiB":>7} {"%src":>5} {"tokens":>9} {"val loss":>8} '
               + ' '.join(f'{short.get(t, t)[:6]:>6}' for t in tasks) + f' {"mean":>6} {"wall s":>7} {"eval s":>6}')
     print(header)
