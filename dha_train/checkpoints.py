@@ -198,17 +198,14 @@ def read_checked_metadata(path: str | Path) -> dcp_metadata.Metadata:
     return metadata
 
 
-def _checked_metadata_reader(_torch_read_metadata):
+def _read_metadata_checked(self: FileSystemReader) -> dcp_metadata.Metadata:
     """``FileSystemReader.read_metadata`` as ``read_checked_metadata``: the object checked is the object returned;
     torch's plain-pickle read never runs (its two bookkeeping lines follow)."""
-    def checked(self: FileSystemReader) -> dcp_metadata.Metadata:
-        metadata = read_checked_metadata(self.path)
-        if getattr(metadata, 'storage_meta', None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, 'load_id', None)
-        return metadata
-    checked.dha_train_checked = True
-    return checked
+    metadata = read_checked_metadata(self.path)
+    if getattr(metadata, 'storage_meta', None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    metadata.storage_meta.load_id = getattr(self, 'load_id', None)
+    return metadata
 
 
 def _unwrapped(exc: BaseException) -> BaseException:
@@ -229,32 +226,32 @@ def check_byte_item(raw: bytes, name: str) -> Any:
                                     'holds; dha-train refuses to unpickle it') from None
 
 
-def _checked_load_bytes(_torch_load_bytes):
+def _load_bytes_checked(self: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
     """``DefaultLoadPlanner.load_bytes`` keeping the object ``check_byte_item`` unpickled (torch's own read, with
     ``weights_only=False``, never runs)."""
-    def checked(self: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
-        item = check_byte_item(value.read(), read_item.dest_index.fqn)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = item
-    checked.dha_train_checked = True
-    return checked
+    item = check_byte_item(value.read(), read_item.dest_index.fqn)
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = item
 
 
 def _checked_whole_file_load(checkpoint_filepath: str | Path, map_location: str = 'cpu') -> Any:
     """Composer's whole-file load (``_torch_load_with_validation``) as ``torch_load``: checked where it is read."""
-    path = Path(checkpoint_filepath)
-    return _load(path, mmap=False)
+    return _load(Path(checkpoint_filepath), mmap=False)
+
+
+def refuse_tar(path: str, setting: str = '') -> None:
+    """Refuse a tar archive as a checkpoint (Composer would extract it, names and links as the archive says)."""
+    if is_tar(path):
+        raise CheckpointError(f'{setting}{path} is a tar archive; dha-train loads whole-file (.pt) and sharded '
+                              'checkpoints, never extracts an archive: extract it yourself and give the .pt file')
 
 
 def _refusing_tar_download(download_checkpoint):
-    """Composer's ``download_checkpoint``, refusing a tar archive (Composer would extract it, names and links as the
-    archive says) before anything is downloaded or extracted."""
+    """Composer's ``download_checkpoint``, calling ``refuse_tar`` before anything is downloaded or extracted."""
     def checked(path: str, *args, **kwargs):
-        if is_tar(path):
-            raise CheckpointError(f'{path} is a tar archive; dha-train loads whole-file (.pt) and sharded '
-                                  'checkpoints, never extracts an archive: extract it yourself and give the .pt file')
+        refuse_tar(path)
         return download_checkpoint(path, *args, **kwargs)
     checked.dha_train_checked = True
     return checked
@@ -263,10 +260,8 @@ def _refusing_tar_download(download_checkpoint):
 def install_checked_loading() -> None:
     """Replace every read Composer and torch.distributed.checkpoint make of a checkpoint with the checked one (see the
     module docstring); idempotent."""
-    if not getattr(FileSystemReader.read_metadata, 'dha_train_checked', False):
-        FileSystemReader.read_metadata = _checked_metadata_reader(FileSystemReader.read_metadata)
-    if not getattr(DefaultLoadPlanner.load_bytes, 'dha_train_checked', False):
-        DefaultLoadPlanner.load_bytes = _checked_load_bytes(DefaultLoadPlanner.load_bytes)
+    FileSystemReader.read_metadata = _read_metadata_checked
+    DefaultLoadPlanner.load_bytes = _load_bytes_checked
     for module in (composer_checkpoint, composer_checkpoint_load):
         module._torch_load_with_validation = _checked_whole_file_load
     if not getattr(composer_checkpoint.download_checkpoint, 'dha_train_checked', False):

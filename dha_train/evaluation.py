@@ -203,11 +203,10 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
               'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
     sequences = sequence_losses(model, tokenizer, data, batch_size, device) if data is not None and documents else None
     if sequences:  # the held-out loss's 95% interval over sequences (the mean of the domains' means, as val_loss)
         result['val_loss_ci95'] = mean_of_means_interval(sequences)[1]
-        (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+    (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
     (out / DOCUMENTS_FILE).write_text(json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences}))
     _add_scores_to_card(source, result, data)
     print_scores(result)

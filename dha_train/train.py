@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from composer import Trainer
 from composer.utils import FSDP2Config, dist, get_device, partial_format, reproducibility
-from composer.utils.file_helpers import is_tar
 
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
@@ -29,6 +28,7 @@ from dha_train.checkpoints import (
     CheckpointError,
     check_checkpoint,
     refuse_later_checkpoints,
+    refuse_tar,
     save_checkpoints_atomically,
 )
 from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config, per_device_batch
@@ -92,10 +92,8 @@ def check_checkpoint_to_load(config: TrainConfig) -> None:
     left exactly as it is. A tar archive is refused, local or remote (Composer would extract it). A remote load_path
     (or a remote save_folder's latest checkpoint) is downloaded by Composer itself and read only through the checked
     loaders ``dha_train.checkpoints`` installs, so it is refused at that read, before any of its state is used."""
-    if config.load_path and is_tar(config.load_path):
-        raise CheckpointError(f'load_path: {config.load_path} is a tar archive; dha-train loads whole-file (.pt) and '
-                              'sharded checkpoints, never extracts an archive: extract it yourself and give the .pt '
-                              'file')
+    if config.load_path:
+        refuse_tar(config.load_path, 'load_path: ')
     setting = path = note = None
     folder = _local_save_folder(config) if config.autoresume else None
     if folder is not None and ((folder / LATEST).is_symlink() or (folder / LATEST).exists()):

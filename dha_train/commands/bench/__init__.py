@@ -230,6 +230,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument('--limit', type=int, default=speed_defaults.limit, help='documents per task')
     speed.add_argument('--batch-size', dest='batch_size', type=int, default=speed_defaults.batch_size)
     speed.add_argument('--out', default=speed_defaults.out, help='folder for results.json (and the import)')
+    speed.add_argument('--results', dest='results_file', default=None,
+                       help='also write the results to this file (the docs keep docs/results/bench_eval_speed.json)')
     speed.set_defaults(func=run_eval_speed)
     serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU: KV MiB, prompt and "
                              'decode tokens/s against the source, held-out loss from llama.cpp\'s logits')
@@ -297,7 +299,8 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def run_eval_speed(args: argparse.Namespace) -> int:
     run_eval_speed_bench(EvalSpeedSettings(model=args.model, tasks=tuple(args.tasks), limit=args.limit,
-                                           batch_size=args.batch_size, out=args.out))
+                                           batch_size=args.batch_size, out=args.out,
+                                           results_file=args.results_file))
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dha_train.bench_support import bench_say
@@ -26,7 +26,7 @@ class EvalSpeedSettings:
     limit: int = 100
     batch_size: int = 16
     out: str = 'bench_eval_speed'
-    results: dict = field(default_factory=dict)
+    results_file: str | None = None  # also write the results here (the docs' record: docs/results/...)
 
 
 def _score(lm_class, model, tokenizer, task: str, settings: EvalSpeedSettings) -> tuple[float, int, int, list]:
@@ -102,10 +102,11 @@ def run_eval_speed_bench(settings: EvalSpeedSettings | None = None) -> dict:
         bench_say('eval-speed', f'{task}: {rows[task]}')
     total_plain = sum(row['hflm_s'] for row in rows.values())
     total_cached = sum(row['cached_s'] for row in rows.values())
-    results = {'settings': {k: v for k, v in asdict(settings).items() if k != 'results'}, 'model': str(folder),
+    results = {'settings': {k: v for k, v in asdict(settings).items() if k != 'results_file'}, 'model': str(folder),
                'tasks': rows, 'total': {'hflm_s': round(total_plain, 2), 'cached_s': round(total_cached, 2),
                                         'speedup': round(total_plain / total_cached, 2)}}
-    (out / 'results.json').write_text(json.dumps(results, indent=2))
+    for path in (out / 'results.json', *([Path(settings.results_file)] if settings.results_file else [])):
+        path.write_text(json.dumps(results, indent=2))
     print(markdown_table(results))
     return results
 
