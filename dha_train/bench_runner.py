@@ -10,7 +10,9 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from html.parser import HTMLParser
@@ -38,6 +40,11 @@ _HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|t
 
 def say(message: str) -> None:
     print(f'[bench real] {message}', flush=True)
+
+
+def command_line() -> str:
+    """This process's command as a user would type it again (``dha-train ...``), for a results file's record."""
+    return shlex.join(['dha-train', *sys.argv[1:]])
 
 
 def run_stage(work: Path, name: str, build, isolated: bool) -> dict:
@@ -261,13 +268,17 @@ class StageRunner:
                           fsdp=fsdp)
 
     def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
-                 **extra) -> dict:
+                 intermediate: bool = False, **extra) -> dict:
+        """One row: the model's held-out loss and task accuracies. ``intermediate``: a row that ranks no method (refit,
+        attention transfer, DHA after Fusion), scored on ``intermediate_limit`` documents a task, the first of the
+        ranking rows' sample, and marked so."""
         s = self.settings
         key = re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
+        documents = s.intermediate_limit if intermediate else s.limit
 
         def build(out: Path) -> dict:
             # a seeded random sample of each task's split, the same documents for every row (paired comparisons)
-            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, documents=s.limit, include=s.include, out=out,
+            result = run_eval(hf, tasks=list(s.tasks), num_fewshot=0, documents=documents, include=s.include, out=out,
                               batch_size=s.eval_batch_size, device=s.device, name=label, data=self.heldout,
                               train_tokens=tokens, seed=s.seed)
             accuracy = {}
@@ -283,7 +294,7 @@ class StageRunner:
                                   for task, data in result.get('task_data', {}).items()}}
 
         scored = self.stage(self.evals, key, build, model=hf, tasks=list(s.tasks), include=list(map(str, s.include)),
-                            limit=s.limit, eval_batch_size=s.eval_batch_size, heldout=self.heldout, seed=s.seed)
+                            limit=documents, eval_batch_size=s.eval_batch_size, heldout=self.heldout, seed=s.seed)
         values = [v for v in scored['accuracy'].values() if v is not None]
         row = {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': scored['val_loss'],
                'accuracy': scored['accuracy'], 'metric': scored['metric'],
@@ -291,7 +302,8 @@ class StageRunner:
                'kv_fraction_of_source': scored['kv_bytes'] / self.teacher_kv_bytes if self.rows else 1.0,
                'model_type': scored['model_type'], 'wall_s': round(build_seconds, 1), 'eval_s': scored['seconds'],
                'hf_folder': str(hf), 'val_loss_ci95': scored.get('val_loss_ci95'),
-               'documents_file': scored.get('documents_file'), **extra}
+               'documents_file': scored.get('documents_file'), 'documents_per_task': documents,
+               'evaluation': 'intermediate' if intermediate else 'ranking', **extra}
         if not self.task_data and scored.get('task_data'):
             self.task_data.update(scored['task_data'])
         self.rows.append(row)
@@ -329,14 +341,14 @@ class StageRunner:
         build, reads = refit
         refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
         seconds += refitted['seconds']
-        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, stage='refit',
+        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, True, stage='refit',
                       stage_s=refitted['seconds'], **extra)
         # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
         transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
                                  model_path=refitted['hf_folder'], source_path=self.source, lr=s.transfer_lr)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
-                      stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
+                      True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
         distilled = self.train(f'{name}-kl', 'real/kl.yaml', kl_batches, s.seed + 102, fsdp=True,
                                model_path=transferred['hf_folder'], source_path=self.source, lr=s.kl_lr)
         seconds += distilled['seconds']

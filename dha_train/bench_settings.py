@@ -32,6 +32,9 @@ class RealSettings:
     device: str = 'auto'  # 'auto' (cuda when there is one), 'cpu' or 'cuda'
     tokens: int | None = None  # training tokens of every method (default: by device)
     limit: int | None = None  # documents per task, a seeded random sample of each split (default: by device)
+    # documents per task of the intermediate rows (refit, attention transfer, DHA after Fusion): those that rank no
+    # method; the first of the same seeded shuffle, so they pair with the ranking rows on the documents they share
+    intermediate_limit: int | None = None
     seq_len: int | None = None
     batch: int | None = None  # global batch (sequences)
     microbatch: int | None = None
@@ -57,14 +60,17 @@ class RealSettings:
     kl_lr: float = 1.0e-4  # the KL stage's peak lr
 
 
-# Defaults per device. CPU: 400 sampled documents a task, so a 6-task mean accuracy has a 95% half-width of about 0.02
-# (0.055 at the 50 first documents it used), and 65,536 held-out tokens; with the context-sharing scorer an
-# evaluation row takes about 7 minutes of 2 cores on SmolLM2. The GPU one is a larger run.
+# Defaults per device. CPU: 400 sampled documents a task for the rows that rank methods, so a 6-task mean accuracy has
+# a 95% half-width of about 0.02 (0.055 at the 50 first documents it used), 100 for the intermediate rows, and 65,536
+# held-out tokens for every row; with the context-sharing scorer a ranking row's evaluation takes about 6 minutes of
+# 2 cores on SmolLM2, an intermediate one about 2. The GPU one is a larger run.
 _DEFAULTS = {
-    'cpu': dict(tokens=16 * 8 * 256, limit=400, seq_len=256, batch=8, microbatch=8, val_tokens=256 * 256,
+    'cpu': dict(tokens=16 * 8 * 256, limit=400, intermediate_limit=100, seq_len=256, batch=8, microbatch=8,
+                val_tokens=256 * 256,
                 calib_tokens=2048, refit_tokens=16384, search_batches=2, asym_iterations=3, eval_batch_size=16,
                 corpus_bytes=4_000_000),
-    'cuda': dict(tokens=400 * 32 * 512, limit=500, seq_len=512, batch=32, microbatch=32, val_tokens=512 * 512,
+    'cuda': dict(tokens=400 * 32 * 512, limit=500, intermediate_limit=500, seq_len=512, batch=32, microbatch=32,
+                 val_tokens=512 * 512,
                  calib_tokens=16384, refit_tokens=65536, search_batches=40, asym_iterations=50, eval_batch_size=64,
                  corpus_bytes=None),
 }
@@ -80,17 +86,24 @@ def resolve_settings(settings: RealSettings) -> RealSettings:
     values = asdict(settings)
     values['device'] = device
     for key, default in _DEFAULTS[device].items():
-        if key == 'microbatch':
+        if key in ('microbatch', 'intermediate_limit'):
             continue
         if values[key] is None or (key == 'corpus_bytes' and values[key] == -1):
             values[key] = default
+    if values['intermediate_limit'] is None:
+        values['intermediate_limit'] = min(values['limit'], _DEFAULTS[device]['intermediate_limit'])
     if values['microbatch'] is None:
         values['microbatch'] = min(values['batch'], _DEFAULTS[device]['microbatch'])
     resolved = RealSettings(**values)
-    for name in ('tokens', 'limit', 'seq_len', 'batch', 'microbatch', 'val_tokens', 'calib_tokens', 'refit_tokens',
+    for name in ('tokens', 'limit', 'intermediate_limit', 'seq_len', 'batch', 'microbatch', 'val_tokens',
+                 'calib_tokens', 'refit_tokens',
                  'eval_batch_size', 'asym_iterations'):
         if getattr(resolved, name) <= 0:
             raise ConfigError(f'bench real: {name} must be > 0, got {getattr(resolved, name)}')
+    if resolved.intermediate_limit > resolved.limit:
+        raise ConfigError(f'bench real: intermediate_limit ({resolved.intermediate_limit}) must not exceed limit '
+                          f'({resolved.limit}): the intermediate rows are scored on part of the ranking rows\' '
+                          'documents')
     if not 0 < resolved.transfer_fraction < 1:
         raise ConfigError(f'bench real: transfer_fraction must be in (0, 1), got {resolved.transfer_fraction}')
     if resolved.search_batches < 1:

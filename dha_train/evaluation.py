@@ -92,6 +92,15 @@ def validation_loss(model, tokenizer, data_root: str | Path, batch_size: int = 8
     return {**losses, 'mean': sum(losses.values()) / len(losses)}
 
 
+def domain_means(sequences: dict[str, list[float]]) -> dict[str, float]:
+    """``validation_loss``'s figures from ``sequence_losses``: each domain's mean over its sequences, and the mean of
+    the domains' means."""
+    means = {domain: float(np.mean(values)) for domain, values in sequences.items() if values}
+    if not means:
+        raise EvalError('the held-out data has no val sequences')
+    return {**means, 'mean': sum(means.values()) / len(means)}
+
+
 @torch.no_grad()
 def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8,
                     device: str = 'cpu') -> dict[str, list[float]]:
@@ -189,7 +198,11 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     if missing:
         print(f"suite '{suite}': not scored, no offline data: {', '.join(missing)}")
     model, tokenizer = load_model(model_path, device)
-    losses = validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None
+    # With sampled documents each held-out sequence's loss is kept for paired comparisons; the per-domain figures are
+    # their means (every sequence has the same length), so the held-out text is read once, not twice.
+    sequences = sequence_losses(model, tokenizer, data, batch_size, device) if data is not None and documents else None
+    losses = (domain_means(sequences) if sequences is not None
+              else validation_loss(model, tokenizer, data, batch_size, device) if data is not None else None)
     scored = score_tasks(model, tokenizer, chosen, limit=limit, include=include, batch_size=batch_size,
                          device=device, seed=seed, documents=documents)
     source = Path(model_path)
@@ -203,7 +216,6 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
               'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
-    sequences = sequence_losses(model, tokenizer, data, batch_size, device) if data is not None and documents else None
     if sequences:  # the held-out loss's 95% interval over sequences (the mean of the domains' means, as val_loss)
         result['val_loss_ci95'] = mean_of_means_interval(sequences)[1]
     (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))

@@ -483,7 +483,9 @@ def _summarise(records: list[dict]) -> dict:
 def sampled_documents(task: str, count: int, seed: int, manager) -> list[int] | None:
     """A seeded random sample of ``count`` document indices of ``task``'s scored split (sorted; every index when the
     split has no more), the same for every model scored with the same seed; None for a group (mmlu), whose members
-    are scored whole or by ``limit``. The first N documents of a split are not a random sample of it."""
+    are scored whole or by ``limit``. The first N documents of a split are not a random sample of it. The sample is
+    the first ``count`` of one seeded shuffle of the split, so a smaller sample lies inside a larger one and a row
+    scored on fewer documents can still be paired with one scored on more."""
     from lm_eval.tasks import get_task_dict
 
     loaded = get_task_dict([task], manager).get(task)
@@ -491,7 +493,9 @@ def sampled_documents(task: str, count: int, seed: int, manager) -> list[int] | 
     if docs is None:
         return None
     total = len(docs)
-    return sorted(random.Random(seed).sample(range(total), count)) if count < total else list(range(total))
+    order = list(range(total))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:count])
 
 
 def _per_document(samples: list[dict]) -> list[dict]:

@@ -212,20 +212,18 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
         'eval:mean-pool-kv1-ct'}
 
 
-def test_an_earlier_results_file_of_another_source_or_settings_is_kept_aside_not_merged(tmp_path):
-    from dha_train.commands.bench.real.report import earlier_results
+def test_an_earlier_results_file_is_kept_aside_never_merged_or_overwritten(tmp_path):
+    """Each results.json holds one invocation's rows: an earlier one is renamed, numbered, with its content intact."""
+    from dha_train.commands.bench.real.report import set_aside_earlier
 
     path = tmp_path / 'results.json'
-    earlier = {'source': {'name': 'other'}, 'settings': {'limit': 50}, 'rows': [{'label': 'x', 'method': 'mla',
-                                                                              'budget': 'kv1'}]}
-    path.write_text(json.dumps(earlier))
-    now = {'source': {'name': 'other'}, 'settings': {'limit': 50, 'methods': ['mean_pool']}}
-    assert earlier_results(path, now, RealSettings(methods=('mean_pool',))) == (earlier['rows'], [])
-    assert earlier_results(path, now, RealSettings(methods=('mla',), budgets=('kv1',))) == ([], [])
-    assert earlier_results(path, {**now, 'settings': {'limit': 5}}, RealSettings()) == ([], [])
-    assert not path.exists()
-    assert json.loads((tmp_path / 'results.replaced-1.json').read_text()) == earlier
-
+    assert set_aside_earlier(path) is None
+    for number, label in ((1, 'first'), (2, 'second')):
+        path.write_text(json.dumps({'rows': [{'label': label}]}))
+        assert set_aside_earlier(path) == tmp_path / f'results.replaced-{number}.json'
+        assert not path.exists()
+    assert json.loads((tmp_path / 'results.replaced-1.json').read_text()) == {'rows': [{'label': 'first'}]}
+    assert json.loads((tmp_path / 'results.replaced-2.json').read_text()) == {'rows': [{'label': 'second'}]}
 
 
 def test_rows_get_intervals_and_paired_differences_from_their_documents(tmp_path, capsys):
@@ -264,3 +262,33 @@ def test_rows_get_intervals_and_paired_differences_from_their_documents(tmp_path
     print_intervals(results)
     printed = capsys.readouterr().out
     assert '+0.500 [' in printed and ']*' in printed and 'old row' not in printed
+
+
+def test_an_intermediate_row_pairs_with_the_teacher_on_the_documents_they_share(tmp_path):
+    """A row scored on part of the sample is compared document by document (by index), not position by position:
+    right on the odd documents, where the teacher is right too, it differs from the teacher by exactly 0."""
+    from dha_train.commands.bench.real.report import add_intervals
+
+    def row(label, method, scored: dict[int, float]):
+        path = tmp_path / f'{method}.json'
+        path.write_text(json.dumps({'tasks': {'piqa': [{'doc_id': i, 'acc': a} for i, a in scored.items()]},
+                                    'heldout_sequences': {'book': [3.0, 3.1, 3.2]}}))
+        return {'label': label, 'method': method, 'budget': None if method == 'teacher' else 'kv1', 'tokens': 0,
+                'metric': {'piqa': 'acc'}, 'documents_file': str(path)}
+
+    teacher = row('teacher', 'teacher', {i: float(i % 2) for i in range(40)})
+    intermediate = row('mean-pool kv1 @0 +refit', 'mean_pool', {i: 1.0 for i in range(1, 40, 2)})
+    add_intervals({'rows': [teacher, intermediate]}, seed=3)
+    assert intermediate['vs_teacher']['accuracy'] == [0.0, 0.0, 0.0]
+    assert intermediate['accuracy_ci95'] == 0.0
+
+
+def test_intermediate_rows_get_fewer_documents_never_more_than_the_ranking_rows():
+    from dha_train.bench_settings import resolve_settings
+    from dha_train.config import ConfigError
+
+    assert (resolve_settings(RealSettings(device='cpu')).limit,
+            resolve_settings(RealSettings(device='cpu')).intermediate_limit) == (400, 100)
+    assert resolve_settings(RealSettings(device='cpu', limit=40)).intermediate_limit == 40
+    with pytest.raises(ConfigError, match='intermediate_limit .* must not exceed limit'):
+        resolve_settings(RealSettings(device='cpu', limit=40, intermediate_limit=80))

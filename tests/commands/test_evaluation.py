@@ -275,3 +275,20 @@ def test_a_sampled_eval_with_data_records_each_sequence_and_the_interval(models,
     variances = [sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)
                  for values, m in zip(sequences.values(), means)]
     assert result['val_loss_ci95'] == pytest.approx(1.959964 * math.sqrt(sum(variances)) / len(means), rel=1e-5)
+
+
+def test_a_smaller_document_sample_lies_inside_a_larger_one(models, local_task, tmp_path):
+    """The sample is the first N of one seeded shuffle of the split: a row scored on fewer documents (bench real's
+    intermediate rows) shares all of them with one scored on more, and the sample is not the split's first N."""
+    import json
+
+    from dha_train.evaluation import DOCUMENTS_FILE
+
+    chosen = {}
+    for count in (4, 9):
+        run_eval(models['mha'], suite='local', include=[local_task], out=tmp_path / str(count), documents=count)
+        scored = json.loads((tmp_path / str(count) / DOCUMENTS_FILE).read_text())['tasks']
+        chosen[count] = {task: {doc['doc_id'] for doc in docs} for task, docs in scored.items()}
+    for task, ids in chosen[4].items():
+        assert len(ids) == 4 and ids < chosen[9][task]
+    assert any(ids != set(range(4)) for ids in chosen[4].values())

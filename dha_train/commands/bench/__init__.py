@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 
+from dha_train.bench_runner import command_line
 from dha_train.commands.arguments import add_teacher_argument
 from dha_train.commands.bench.conversion import SECTIONS as CONVERSION_SECTIONS
 from dha_train.commands.bench.conversion import run_conversion_bench
@@ -165,13 +166,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--tokens', type=int, default=None,
                       help='training tokens of every method (default: 32,768 on CPU, 6,553,600 on cuda)')
     real.add_argument('--limit', type=int, default=None,
-                      help='a seeded random sample of N documents of each task, the same for every row (default: 400 '
-                      'on CPU, 500 on cuda)')
+                      help='a seeded random sample of N documents of each task, the same for every ranking row '
+                      '(default: 400 on CPU, 500 on cuda)')
+    real.add_argument('--intermediate-limit', dest='intermediate_limit', type=int, default=None,
+                      help='documents a task for the intermediate rows (refit, attention transfer, DHA after Fusion): '
+                      'the first of the same sample (default: 100 on CPU, the limit on cuda)')
+    real.add_argument('--results', default=None,
+                      help='also write the results file here (docs/results/bench_real*.json: written by the run, '
+                      'one file per invocation, never edited by hand)')
     real.add_argument('--seq-len', dest='seq_len', type=int, default=None, help='default 256 on CPU, 512 on cuda')
     real.add_argument('--batch', type=int, default=None, help='global batch in sequences (default 8 CPU, 32 cuda)')
     real.add_argument('--microbatch', type=int, default=None, help='device microbatch (default: the batch)')
     real.add_argument('--val-tokens', dest='val_tokens', type=int, default=None,
-                      help='held-out validation tokens (default 8,192 on CPU, 262,144 on cuda)')
+                      help='held-out validation tokens (default 65,536 on CPU, 262,144 on cuda)')
     real.add_argument('--calib-tokens', dest='calib_tokens', type=int, default=None,
                       help='calibration tokens of align and the AsymGQA search (default 2,048 CPU, 16,384 cuda)')
     real.add_argument('--search-batches', dest='search_batches', type=int, default=None,
@@ -317,11 +324,12 @@ def run_mla_zero(args: argparse.Namespace) -> int:
 
 def run_real(args: argparse.Namespace) -> int:
     run_real_bench(RealSettings(
-        out=args.out, device=args.device, tokens=args.tokens, limit=args.limit, seq_len=args.seq_len,
+        out=args.out, device=args.device, tokens=args.tokens, limit=args.limit,
+        intermediate_limit=args.intermediate_limit, seq_len=args.seq_len,
         batch=args.batch, microbatch=args.microbatch, val_tokens=args.val_tokens, calib_tokens=args.calib_tokens,
         search_batches=args.search_batches, refit_tokens=args.refit_tokens, heal=args.heal,
         transfer_fraction=args.transfer_fraction, transfer_lr=args.transfer_lr, kl_lr=args.kl_lr,
         asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
         budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,
-        seed=args.seed))
+        seed=args.seed), command=command_line(), results_copy=args.results)
     return 0

@@ -76,18 +76,21 @@ from dha_train.bench_settings import BUDGETS, METHODS, TASKS, RealSettings, reso
 from dha_train.commands.bench.real.methods import RealBench
 from dha_train.commands.bench.real.report import (
     add_intervals,
-    earlier_results,
     in_bench_order,
     plot_rows,
     print_intervals,
     print_table,
+    set_aside_earlier,
 )
 from dha_train.model_folders import folder_digest
 
 __all__ = ['BUDGETS', 'METHODS', 'TASKS', 'RealSettings', 'run_real_bench']
 
 
-def run_real_bench(settings: RealSettings | None = None) -> dict:
+def run_real_bench(settings: RealSettings | None = None, command: str | None = None,
+                   results_copy: str | Path | None = None) -> dict:
+    """Run the bench; ``command``: the command line recorded in the results; ``results_copy``: a second place the
+    results file is written (``docs/results/...``), each time it is saved."""
     settings = resolve_settings(settings or RealSettings())
     work = Path(settings.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -98,6 +101,7 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
     bench = RealBench(settings, work, source, source_digest, train_data, heldout)
     config = model_config(source)
     results = {
+        'command': command, 'date': time.strftime('%Y-%m-%d'),
         'source': {'name': Path(source).name, 'folder': str(source), 'sha256': source_digest,
                    'layers': config.num_hidden_layers,
                    'query_heads': config.num_attention_heads, 'kv_heads': config.num_key_value_heads,
@@ -110,17 +114,22 @@ def run_real_bench(settings: RealSettings | None = None) -> dict:
                     'kv2': '2 K + 2 V heads per layer on average (2/3 of the source K+V cache)'},
         'data': {'train': data['train'], 'heldout': data['heldout']},
         'accuracy': ('harness.headline: acc_norm where lm-eval gives it (piqa, arc, hellaswag, sciq), else acc '
-                     '(winogrande); the first `limit` docs of the split each task scores, identical for every row'),
+                     '(winogrande); a seeded random sample of `limit` documents of the split each task scores, the '
+                     'same for every ranking row; intermediate rows (evaluation: intermediate) score the first '
+                     '`intermediate_limit` of the same shuffle'),
         'task_splits': bench.task_data, 'rows': bench.rows, 'skipped': bench.skipped,
     }
 
-    kept_rows, kept_skipped = earlier_results(work / 'results.json', results, settings)
+    set_aside_earlier(work / 'results.json')
 
     def save() -> None:
-        results['rows'] = in_bench_order([*kept_rows, *bench.rows])
-        results['skipped'] = [*kept_skipped, *bench.skipped]
+        results['rows'] = in_bench_order(bench.rows)
+        results['skipped'] = list(bench.skipped)
         results['total_seconds'] = round(time.perf_counter() - started, 1)
-        (work / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+        text = json.dumps(results, indent=2, default=str)
+        (work / 'results.json').write_text(text)
+        if results_copy is not None:
+            Path(results_copy).write_text(text)
 
     bench.teacher()
     save()

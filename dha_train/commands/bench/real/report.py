@@ -1,4 +1,5 @@
-"""`bench real`'s report: the table it prints, its plots, and the merging of an earlier results.json."""
+"""`bench real`'s report: the intervals and paired differences of its rows, the tables it prints, its plots, and
+where an earlier results.json goes."""
 
 from __future__ import annotations
 
@@ -6,26 +7,35 @@ import json
 from pathlib import Path
 
 from dha_train.bench_runner import say
-from dha_train.bench_settings import BUDGETS, METHODS, RealSettings
+from dha_train.bench_settings import BUDGETS, METHODS
 
 
 def _paired_items(row: dict) -> tuple[dict, dict] | None:
-    """A row's per-document accuracies (its headline metric, per task) and per-sequence held-out losses (per
-    domain), from its evaluation's documents file; None for a row evaluated without one (older runs)."""
+    """A row's per-document accuracies (its headline metric; per task, by document index) and per-sequence held-out
+    losses (per domain), from its evaluation's documents file; None for a row evaluated without one (older runs)."""
     path = row.get('documents_file')
     if not path or not Path(path).is_file():
         return None
     saved = json.loads(Path(path).read_text())
-    accuracy = {task: [doc[row['metric'][task]] for doc in docs] for task, docs in saved['tasks'].items()
-                if row['metric'].get(task)}
+    accuracy = {task: {doc['doc_id']: doc[row['metric'][task]] for doc in docs}
+                for task, docs in saved['tasks'].items() if row['metric'].get(task)}
     return accuracy, saved.get('heldout_sequences') or {}
+
+
+def _shared(a: dict, b: dict) -> tuple[dict, dict]:
+    """Two rows' per-document accuracies on the documents both were scored on (an intermediate row's sample is the
+    first part of a ranking row's), as aligned lists per task."""
+    tasks = sorted(set(a) & set(b))
+    ids = {task: sorted(set(a[task]) & set(b[task])) for task in tasks}
+    return ({task: [a[task][i] for i in ids[task]] for task in tasks},
+            {task: [b[task][i] for i in ids[task]] for task in tasks})
 
 
 def add_intervals(results: dict, seed: int = 0) -> None:
     """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
     differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget and stage
-    (``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their
-    documents."""
+    (``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}, over the documents and sequences
+    the two share), for rows that kept their documents."""
     from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 
     items = {row['label']: _paired_items(row) for row in results['rows']}
@@ -34,7 +44,8 @@ def add_intervals(results: dict, seed: int = 0) -> None:
         mine = items[row['label']]
         if mine is None:
             continue
-        row['accuracy_ci95'] = mean_of_means_interval(mine[0])[1]
+        row['accuracy_ci95'] = mean_of_means_interval({task: list(values.values())
+                                                       for task, values in mine[0].items()})[1]
         stage = row['label'].split(str(row['budget']), 1)[-1] if row['budget'] else None
         peer = next((other['label'] for other in results['rows'] if other['method'] == 'mean_pool'
                      and other['budget'] == row['budget'] and stage is not None
@@ -44,7 +55,7 @@ def add_intervals(results: dict, seed: int = 0) -> None:
             theirs = items.get(reference) if reference not in (None, row['label']) else None
             if theirs is None:
                 continue
-            row[key] = {'accuracy': list(paired_difference(theirs[0], mine[0], seed=seed))}
+            row[key] = {'accuracy': list(paired_difference(*_shared(theirs[0], mine[0]), seed=seed))}
             if mine[1] and theirs[1]:
                 row[key]['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed))
 
@@ -136,43 +147,18 @@ def plot_rows(results: dict, work: Path) -> list[str]:
     return files
 
 
-_SETTINGS_OF_A_SELECTION = ('methods', 'budgets', 'out', 'isolate_stages')
-
-
-def _ran_here(row: dict, settings: RealSettings) -> bool:
-    """Whether this invocation produces ``row``'s (method, budget): the teacher always, MoH when named (it has one
-    setting), any other method at the budgets named."""
-    if row['method'] == 'teacher':
-        return True
-    return row['method'] in settings.methods and (row['method'] == 'moh' or row['budget'] in settings.budgets)
-
-
-def earlier_results(path: Path, results: dict, settings: RealSettings) -> tuple[list, list]:
-    """The rows and skip notes of an earlier ``results.json`` in the same folder that this invocation does not
-    produce again, so a run of some methods or budgets adds to the table instead of replacing it. Only when the
-    earlier run used the same source and settings (apart from which methods and budgets ran); otherwise it is
-    kept as ``results.replaced-N.json``, never silently overwritten."""
+def set_aside_earlier(path: Path) -> Path | None:
+    """An earlier ``results.json`` in the run folder, renamed ``results.replaced-N.json`` (never overwritten, never
+    merged: each results file holds one invocation's rows under that invocation's settings and command; the stages
+    the earlier run made are reused, so running the methods again costs only what is new)."""
     if not path.is_file():
-        return [], []
-    earlier = json.loads(path.read_text())
-
-    def comparable(entry: dict) -> dict:  # as JSON holds it: tuples as lists, paths as strings
-        return json.loads(json.dumps({'source': entry.get('source'), **{
-            key: value for key, value in entry.get('settings', {}).items() if key not in _SETTINGS_OF_A_SELECTION}},
-            default=str))
-
-    if comparable(earlier) != comparable(results):
-        number = 1
-        while (path.parent / f'results.replaced-{number}.json').exists():
-            number += 1
-        kept = path.rename(path.parent / f'results.replaced-{number}.json')
-        say(f'results.json of other settings or another source kept as {kept.name}')
-        return [], []
-    rows = [row for row in earlier.get('rows', []) if not _ran_here(row, settings)]
-    skipped = [entry for entry in earlier.get('skipped', []) if not _ran_here(entry, settings)]
-    if rows:
-        say(f'keeping {len(rows)} rows of earlier runs in results.json (methods or budgets not run now)')
-    return rows, skipped
+        return None
+    number = 1
+    while (path.parent / f'results.replaced-{number}.json').exists():
+        number += 1
+    kept = path.rename(path.parent / f'results.replaced-{number}.json')
+    say(f'the earlier results.json is kept as {kept.name}')
+    return kept
 
 
 def in_bench_order(rows: list[dict]) -> list[dict]:
