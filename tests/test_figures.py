@@ -1,7 +1,8 @@
-"""The figures the README and the docs quote from `bench real` and `bench serve` equal the results files they came
-from (docs/results/), to the decimals printed: the README's headline table, the healing table
-(docs/benchmarks/healing.md), and the llama.cpp tables of docs/serving.md. Every number in those tables must
-come from a row; a number edited by hand, or a row copied from a run whose results were not kept, fails here."""
+"""The figures the README and the docs quote from the results files (docs/results/) equal them, to the decimals
+printed: the README's headline table and the healing table are `dha-train bench real-tables`' output, compared whole
+and both ways (a row missing, added, reordered or edited, a figure or an interval, fails); the README's prose figures
+are made from the same files, and every decimal, percentage and ratio in that section must be one of them; the
+llama.cpp tables of docs/serving.md, and the mla-zero and eval-speed tables, are checked against theirs."""
 
 from __future__ import annotations
 
@@ -16,26 +17,18 @@ RESULTS = REPO / 'docs' / 'results'
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
 NUMBER = re.compile(r'\d[\d,]*(?:\.\d+)?')
 
-# The README's headline table: its row -> the bench real label of each cell's row ({budget} is kv1 or kv2).
-HEADLINE_ROWS = {
-    'mean-pool GQA, healed (refit, transfer, KL)': 'mean-pool {budget} +KL',
-    'AsymGQA, healed': 'AsymGQA {budget} +KL',
-    'DHA, healed': 'DHA {budget} +KL',
-    'servable DHA, healed': 'DHA-servable {budget} +KL',
-    'MLA in DeepSeek\'s format, after transfer': 'MLA-DeepSeek {budget} +transfer',
-    'MLA in DeepSeek\'s format, healed': 'MLA-DeepSeek {budget} +KL',
-    'MLA class (FreqFold per K/V head), healed': 'MLA {budget} +KL',
-}
-HEADLINE_COLUMNS = ('kv1', 'kv2')  # a third, two thirds of the cache
+
+
+def bench_real_runs() -> list[dict]:
+    from dha_train.commands.bench.real.tables import load_runs
+
+    return load_runs(RESULTS / 'bench_real.json')
 
 
 def bench_real_rows() -> dict[str, dict]:
-    rows = {}
-    for run in json.loads((RESULTS / 'bench_real.json').read_text())['runs']:
-        for row in run['rows']:
-            assert row['label'] not in rows, f'{row["label"]} is in two runs of docs/results/bench_real.json'
-            rows[row['label']] = row
-    return rows
+    from dha_train.commands.bench.real.tables import result_rows
+
+    return {row['label']: row for row in result_rows(bench_real_runs())}
 
 
 def tables(markdown: str) -> list[tuple[list[str], list[list[str]]]]:
@@ -70,49 +63,73 @@ def agrees(printed: str, value: float) -> bool:
     return f'{value:.{decimals}f}' == digits
 
 
-def check_bench_real_table(rows: list[list[str]], results: dict[str, dict], where: str) -> list[str]:
-    """Rows of `| row | train tokens | held-out loss | piqa | ... | sciq | mean | KV MiB | wall s | eval s |`: every
-    cell against its row."""
-    wrong = []
-    for cells in rows:
-        label = cells[0].replace('*', '')
-        if label not in results:
-            wrong.append(f'{where}: "{label}" is not a row of docs/results/bench_real.json')
-            continue
-        row = results[label]
-        expected = [row['tokens'], row['val_loss'], *(row['accuracy'][task] for task in TASKS), row['mean_accuracy'],
-                    row['kv_bytes'] / 2**20, row['wall_s'], row['eval_s']]
-        if len(cells) != 1 + len(expected):
-            wrong.append(f'{where}: "{label}" has {len(cells) - 1} figures, its row {len(expected)}')
-            continue
-        for cell, value in zip(cells[1:], expected, strict=True):
-            printed = numbers(cell)
-            if len(printed) != 1 or not agrees(printed[0], value):
-                wrong.append(f'{where}: "{label}" prints {cell!r} where its row has {value}')
-    return wrong
+def table_problems(markdown: str, generated: str, where: str) -> list[str]:
+    """The page's table headed as ``generated`` is, line for line, ``generated``: every generated row on the page,
+    every page row generated, in the same order."""
+    header = generated.splitlines()[0]
+    lines = markdown.splitlines()
+    if header not in lines:
+        return [f'{where}: no table headed {header!r}']
+    start = lines.index(header)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith('|')), len(lines))
+    page, wanted = lines[start:end], generated.splitlines()
+    problems = [f'{where}: lacks the row {line!r}' for line in wanted if line not in page]
+    problems += [f'{where}: has a row the results do not give: {line!r}' for line in page if line not in wanted]
+    if not problems and page != wanted:
+        problems.append(f'{where}: the rows are in another order than the results give')
+    return problems
 
 
-def check_readme_headline(readme: str, results: dict[str, dict]) -> list[str]:
-    rows = table_with_header(readme, ['method', 'a third of the cache', 'two thirds of the cache'], 'README')
-    wrong = []
-    for cells in rows:
-        name, budget_cells = cells[0], cells[1:]
-        for budget, cell in zip(HEADLINE_COLUMNS, budget_cells, strict=True):
-            printed = numbers(cell)
-            if not printed:
-                continue  # a cell that says why there is no figure
-            if name not in HEADLINE_ROWS:
-                wrong.append(f'README: row "{name}" has figures but no results row to check them against')
-                continue
-            label = HEADLINE_ROWS[name].format(budget=budget)
-            row = results.get(label)
-            if row is None:
-                wrong.append(f'README: "{name}" at {budget}: "{label}" is not in docs/results/bench_real.json')
-            elif len(printed) != 2 or not (agrees(printed[0], row['val_loss'])
-                                           and agrees(printed[1], row['mean_accuracy'])):
-                wrong.append(f'README: "{name}" at {budget} prints {cell!r}; "{label}" has '
-                             f'{row["val_loss"]} / {row["mean_accuracy"]}')
-    return wrong
+def readme_section(readme: str) -> str:
+    start = readme.index('## Headline figures')
+    return readme[start:readme.index('\n## ', start + 1)]
+
+
+def readme_prose_figures() -> dict[str, str]:
+    """The README's headline prose figures, each a phrase made from the results file it quotes."""
+    rows = bench_real_rows()
+    teacher = rows['teacher']
+    zero = {row['label']: row['loss'] for row in json.loads((RESULTS / 'mla_zero.json').read_text())['rows']}
+    serve = json.loads((RESULTS / 'bench_serve.json').read_text())
+    at_8k = {row['model']: row for row in serve['rows'] if row['outtype'] == 'f16' and row['context'] == 8192}
+    target = next(row for row in serve['targets'] if row['model'] == 'mean-pool 1/3' and row['outtype'] == 'f16')
+
+    def book(label: str) -> str:
+        return f"{zero[label]['heldout_book']:.3f}"
+
+    return {
+        'deepseek_kv2_gap': f"{rows['MLA-DeepSeek kv2 +KL']['val_loss'] - teacher['val_loss']:.2f}",
+        'transmla': (f"the Rust book: {book('DeepSeek layout kv1')} against {book('TransMLA kv1')} at a third, "
+                     f"{book('DeepSeek layout kv2')} against {book('TransMLA kv2')} at two thirds"),
+        'serving': (f"mean-pool at a third holds {at_8k['mean-pool 1/3']['kv_ratio']:.3f}x the source's cache "
+                    f"({at_8k['mean-pool 1/3']['kv_mib']:.0f} against {at_8k['source']['kv_mib']:.0f} MiB) and decodes "
+                    f"at {at_8k['mean-pool 1/3']['decode_ratio']:.2f}x its tokens/s (target 1.5x: "
+                    f"{'met' if target['decode_met'] else 'not met'}); the servable DHA at two thirds holds "
+                    f"{at_8k['DHA-servable 2/3']['kv_ratio']:.3f}x and decodes at "
+                    f"{at_8k['DHA-servable 2/3']['decode_ratio']:.2f}x; MLA in DeepSeek's format (made before "
+                    f"FreqFold) decodes at {at_8k['MLA-DeepSeek 1/3']['decode_ratio']:.2f}x and "
+                    f"{at_8k['MLA-DeepSeek 2/3']['decode_ratio']:.2f}x"),
+        'healing_share': f"{rows['mean-pool kv1 +KL']['mean_accuracy'] / teacher['mean_accuracy']:.0%}",
+    }
+
+
+FIGURE = re.compile(r'\d+(?:\.\d+)?(?:%|x\b)|\d+\.\d+')
+STATED_FIGURES = ('90%', '1.5x', '95%')  # targets and the interval's level the prose names, not measurements
+
+
+def prose_problems(readme: str) -> list[str]:
+    """Every figure phrase of ``readme_prose_figures`` is in the headline section, and the section's prose (its table
+    apart) holds no decimal, percentage or ratio that is not in one of them."""
+    section = readme_section(readme)
+    phrases = readme_prose_figures()
+    problems = [f'README: the headline section lacks {name}: {phrase!r}' for name, phrase in phrases.items()
+                if phrase not in section]
+    prose = '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
+    for phrase in phrases.values():
+        prose = prose.replace(phrase, ' ')
+    problems += [f'README: the figure {figure!r} in the headline prose comes from no results file'
+                 for figure in FIGURE.findall(prose) if figure not in STATED_FIGURES]
+    return problems
 
 
 def check_serving(serving: str, results: dict) -> list[str]:
@@ -151,26 +168,67 @@ def check_serving(serving: str, results: dict) -> list[str]:
     return wrong
 
 
-def _healing_table() -> list[list[str]]:
+def test_the_readme_headline_table_is_the_bench_output():
+    from dha_train.commands.bench.real.tables import headline_table
+
+    readme = (REPO / 'README.md').read_text()
+    assert table_problems(readme, headline_table(bench_real_runs()), 'README') == []
+
+
+def test_the_healing_table_is_the_bench_output():
+    from dha_train.commands.bench.real.tables import healing_table
+
     page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
-    return table_with_header(page, ['row', 'train tokens', 'held-out loss', 'piqa'], 'docs/benchmarks/healing.md')
+    assert table_problems(page, healing_table(bench_real_runs()), 'docs/benchmarks/healing.md') == []
 
 
-def test_the_readme_headline_table_equals_its_results():
-    assert check_readme_headline((REPO / 'README.md').read_text(), bench_real_rows()) == []
+def test_the_readme_prose_figures_are_the_results():
+    assert prose_problems((REPO / 'README.md').read_text()) == []
 
 
-def test_the_healing_table_equals_its_results_and_quotes_every_row_once():
-    rows, results = _healing_table(), bench_real_rows()
-    assert check_bench_real_table(rows, results, 'docs/benchmarks/healing.md') == []
-    quoted = [cells[0].replace('*', '') for cells in rows]
-    assert sorted(quoted) == sorted(results), 'every kept row is quoted, once'
+@pytest.mark.parametrize('old, new', [('4.416 / 0.437', '4.414 / 0.437'), ('3.405 / 0.547', '3.405 / 0.548'),
+                                      ('3.094 / 0.533 |', '3.094 / 0.533 | 1.0 |')])
+def test_an_edited_readme_table_fails(old, new):
+    from dha_train.commands.bench.real.tables import headline_table
+
+    readme = (REPO / 'README.md').read_text()
+    assert old in readme
+    assert table_problems(readme.replace(old, new, 1), headline_table(bench_real_runs()), 'README') != []
 
 
-def test_an_edited_healing_figure_fails():
-    rows, results = _healing_table(), bench_real_rows()
-    edited = [[*cells[:2], '9.999', *cells[3:]] if cells[0] == 'mean-pool kv2 +KL' else cells for cells in rows]
-    assert check_bench_real_table(edited, results, 'healing') != []
+def test_an_edited_readme_prose_figure_fails():
+    readme = (REPO / 'README.md').read_text()
+    share = readme_prose_figures()['healing_share']
+    assert prose_problems(readme.replace(f'reaches {share}', 'reaches 88%', 1)) != []
+    assert prose_problems(readme.replace('(the target was 90%)', '(the target was 90%, 0.437 of 0.533)', 1)) != []
+
+
+def test_an_edited_interval_or_difference_fails():
+    """On a run whose rows carry intervals: changing a half-width or a difference's bound by one printed unit, or
+    dropping a row, makes the page disagree with the results."""
+    from dha_train.commands.bench.real.tables import headline_table, healing_table
+
+    def row(label, method, budget, loss, accuracy, **extra):
+        return {'label': label, 'method': method, 'budget': budget, 'tokens': 0 if method == 'teacher' else 64,
+                'val_loss': loss, 'val_loss_ci95': 0.021, 'mean_accuracy': accuracy, 'accuracy_ci95': 0.018,
+                'accuracy': dict.fromkeys(TASKS, accuracy), 'kv_bytes': 2 ** 20, 'documents_per_task': 400,
+                'evaluation': 'ranking', **extra}
+
+    run = {'settings': {'training_tokens_per_method': 64, 'limit': 400}, 'rows': [
+        row('teacher', 'teacher', None, 3.0, 0.5),
+        row('mean-pool kv1 +KL', 'mean_pool', 'kv1', 4.0, 0.43, stage='kl',
+            vs_teacher={'loss': [1.0, 0.9, 1.1], 'accuracy': [-0.07, -0.09, -0.05]}),
+        row('DHA kv1 +KL', 'dha', 'kv1', 3.9, 0.44, stage='kl',
+            vs_mean_pool={'loss': [-0.1, -0.15, -0.05], 'accuracy': [0.01, -0.01, 0.03]})]}
+    for table in (healing_table([run]), headline_table([run])):
+        assert '± 0.021' in table and '*' in table
+        page = f'# page\n\n{table}\n\nprose\n'
+        assert table_problems(page, table, 'page') == []
+        for old, new in (('± 0.021', '± 0.020'), ('[-0.150', '[-0.149'), ('+0.010 [', '+0.011 [')):
+            if old in page:
+                assert table_problems(page.replace(old, new, 1), table, 'page') != []
+        dropped = '\n'.join(line for line in page.splitlines() if not line.startswith('| DHA'))
+        assert table_problems(dropped, table, 'page') != []
 
 
 def test_the_serving_tables_equal_their_results():
@@ -179,14 +237,6 @@ def test_the_serving_tables_equal_their_results():
     assert check_serving(serving, results) == []
     assert len(table_with_header(serving, ['model', 'weights', 'context', 'KV MiB'], 'serving.md')) == len(
         results['rows'])
-
-
-@pytest.mark.parametrize('old, new', [('4.416', '4.414'), ('0.547', '0.548'), ('3.153', '3.154')])
-def test_an_edited_readme_figure_fails(old, new):
-    readme = (REPO / 'README.md').read_text()
-    assert old in readme
-    edited = readme.replace(old, new, 1)
-    assert check_readme_headline(edited, bench_real_rows())
 
 
 def test_an_edited_serving_figure_fails():

@@ -14,6 +14,7 @@
   against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time;
+- ``real-tables``: the Markdown tables the README and the healing page quote, from ``real``'s results files;
 - ``eval-speed``: evaluation throughput, lm-eval's HFLM against the project's context-sharing scorer on one model,
   task by task: documents and tokens per second, and every document's scores checked equal;
 - ``mla-zero``: MLA conversions at 0 training tokens (DeepSeek layout, MLA class, mean-pool + refit and, from a
@@ -45,6 +46,7 @@ from dha_train.commands.bench.real import BUDGETS as REAL_BUDGETS
 from dha_train.commands.bench.real import METHODS as REAL_METHODS
 from dha_train.commands.bench.real import TASKS as REAL_TASKS
 from dha_train.commands.bench.real import RealSettings, run_real_bench
+from dha_train.commands.bench.real.tables import print_tables
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
@@ -207,6 +209,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
+    tables = bench.add_parser('real-tables', help="the README's headline table and the healing page's table from bench "
+                              "real's results files, with 95%% intervals and marked paired differences")
+    tables.add_argument('results', nargs='+', help='bench real results files (docs/results/bench_real.json)')
+    tables.set_defaults(func=run_real_tables)
     zero = bench.add_parser('mla-zero', help='MLA conversions at 0 training tokens at 1/3 and 2/3 of SmolLM2-135M\'s '
                             'cache (TransMLA\'s from a checkout): loss on validation and held-out texts, piqa, arc_easy')
     zero_defaults = MlaZeroSettings()
@@ -301,6 +307,11 @@ def run_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings(**{name: getattr(args, name) for name in DecodeSettings.__dataclass_fields__
                                  if name != 'seed'})
     run_decode_bench(settings, out=args.out)
+    return 0
+
+
+def run_real_tables(args: argparse.Namespace) -> int:
+    print_tables(args.results)
     return 0
 
 

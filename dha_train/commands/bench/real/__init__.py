@@ -42,26 +42,31 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
 
 Columns: validation loss on held-out text no row trains on (``/usr/share/doc`` text files, a different source from
 the training corpus, the Python standard library's code and docstrings: ``dha_train.data.corpus``); accuracy (the
-score ``harness.headline`` picks: acc_norm where lm-eval gives it, else acc) on the first ``limit`` documents of
-piqa, arc_easy, arc_challenge, hellaswag, winogrande and sciq, zero-shot (lm-eval's ``--limit`` takes the first N
-docs of the split each task scores, so every row sees the same examples), and their mean; KV bytes per 4096-token
-sequence in bf16 (``methods.kv_cache_bytes``); training tokens; wall time (the method's cumulative conversion +
-training seconds up to the point, and the evaluation's seconds apart).
+score ``harness.headline`` picks: acc_norm where lm-eval gives it, else acc) on a seeded random sample of ``limit``
+documents of piqa, arc_easy, arc_challenge, hellaswag, winogrande and sciq, zero-shot, the same for every row that
+ranks methods (0 tokens, healed, each method's own training); the intermediate rows (refit, attention transfer, DHA
+after Fusion, marked ``evaluation: intermediate``) score the first ``intermediate_limit`` of the same shuffle. KV
+bytes per 4096-token sequence in bf16 (``methods.kv_cache_bytes``); training tokens; wall time (the method's
+cumulative conversion + training seconds up to the point, and the evaluation's seconds apart). Each row keeps its
+documents file, from which ``report.add_intervals`` gives its 95% intervals and its paired differences from the
+teacher and from mean-pool.
 
-Writes ``results.json``, ``accuracy.png`` / ``loss.png`` (against training tokens, one line per method and
-budget, the teacher as a reference line) and prints the table.
+Writes ``results.json`` (this invocation's rows only, with its command and settings; an earlier one is set aside,
+never merged; ``--results`` writes a second copy), ``accuracy.png`` / ``loss.png`` (against training tokens, one
+line per method and budget, the teacher as a reference line) and prints the tables.
 
-Defaults (``--device auto`` picks cuda when there is one): on CPU 32,768 training tokens per method (16 batches of
-8 x 256), ``--limit 50``, 8,192 held-out tokens, DHA Search 2 batches, AsymGQA 3 fitness iterations per layer on one
-256-token sequence; on cuda 6,553,600 tokens (400 batches of 32 x 512), ``--limit 500``, 262,144 held-out tokens,
-Search 40 batches, 50 iterations. Measured on the 2-core machine (2026-11-25, sharing the cores with other work for
-part of the run): a 16-batch CT stage 165-210 s, the aligned-GQA pruning stage (with its teacher) 447 s, one row's
-evaluation at ``--limit 50`` 68-155 s; before the healing rows, the whole default run took about 70 minutes of stage
-time. With them, 60 of its stages took 236 minutes on cores shared with other work (DHA and MLA at kv2 not yet run),
-well over the hour aimed at; ``--no-heal``, ``--limit``, ``--tokens`` and ``--methods`` scale it.
+Defaults (``--device auto`` picks cuda when there is one, ``bench_settings``): on CPU 32,768 training tokens per
+method (16 batches of 8 x 256), 400 documents a task (100 for intermediate rows), 65,536 held-out tokens, DHA Search
+2 batches, AsymGQA 3 fitness iterations per layer on one 256-token sequence; on cuda 6,553,600 tokens (400 batches
+of 32 x 512), 500 documents, 262,144 held-out tokens, Search 40 batches, 50 iterations. On the 2-core machine a
+16-batch CT stage takes 165-210 s, the aligned-GQA pruning stage (with its teacher) about 450 s, and a ranking row's
+evaluation about 6 minutes: the whole default run is many hours, so it is run method by method into one folder
+(stages are reused) and written whole by a last invocation of every method. ``--no-heal``, ``--limit``, ``--tokens``
+and ``--methods`` scale it.
 
-The code: ``settings`` (what a run reads), ``methods`` (which stages each method runs), ``runner`` (running and
-reusing stages), ``report`` (table, plots, merging earlier results); ``run_real_bench`` below runs them in order.
+The code: ``bench_settings`` (what a run reads), ``methods`` (which stages each method runs), ``bench_runner``
+(running and reusing stages), ``report`` (intervals, the printed table, plots), ``tables`` (the Markdown tables the
+docs quote); ``run_real_bench`` below runs them in order.
 """
 
 from __future__ import annotations

@@ -31,10 +31,16 @@ def _shared(a: dict, b: dict) -> tuple[dict, dict]:
             {task: [b[task][i] for i in ids[task]] for task in tasks})
 
 
+def comparison_kind(row: dict) -> str:
+    """What a row is, for choosing its mean-pool peer: a healing stage ('refit', 'transfer', 'kl'), the 0-token
+    conversion, or the method's own training (CT, L0 pruning, Fusion + CT), which pairs with mean-pool's CT."""
+    return row.get('stage') or ('converted' if row['tokens'] == 0 else 'trained')
+
+
 def add_intervals(results: dict, seed: int = 0) -> None:
     """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
-    differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget and stage
-    (``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}, over the documents and sequences
+    differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget, tokens and
+    kind of row (``comparison_kind``; ``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}, over the documents and sequences
     the two share), for rows that kept their documents."""
     from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 
@@ -46,11 +52,9 @@ def add_intervals(results: dict, seed: int = 0) -> None:
             continue
         row['accuracy_ci95'] = mean_of_means_interval({task: list(values.values())
                                                        for task, values in mine[0].items()})[1]
-        stage = row['label'].split(str(row['budget']), 1)[-1] if row['budget'] else None
         peer = next((other['label'] for other in results['rows'] if other['method'] == 'mean_pool'
-                     and other['budget'] == row['budget'] and stage is not None
-                     and other['label'].split(str(other['budget']), 1)[-1] == stage
-                     and other['tokens'] == row['tokens']), None)
+                     and row['budget'] is not None and other['budget'] == row['budget']
+                     and comparison_kind(other) == comparison_kind(row) and other['tokens'] == row['tokens']), None)
         for key, reference in (('vs_teacher', teacher), ('vs_mean_pool', peer)):
             theirs = items.get(reference) if reference not in (None, row['label']) else None
             if theirs is None:
