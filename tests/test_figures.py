@@ -286,3 +286,73 @@ def test_an_edited_eval_speed_figure_fails():
     speedup = json.loads((RESULTS / 'bench_eval_speed.json').read_text())['tasks']['sciq']['speedup']
     assert f'| {speedup}x |' in markdown
     assert eval_speed_problems(markdown.replace(f'| {speedup}x |', f'| {speedup + 0.1:.2f}x |')) != []
+
+
+# The prose of the sections that quote a results file: every decimal figure in it is a number of those files (to the
+# decimals printed), or one of the figures named here with where it comes from instead. A figure with no results
+# behind it fails; an edit that lands on another recorded number does not (the tables, compared whole, and the
+# README's phrases, made from named rows, are the strict checks).
+QUOTING_SECTIONS = {
+    ('docs/benchmarks/healing.md', '# How fast each method heals'): {
+        'files': ('bench_real.json',),
+        'elsewhere': {'0.02': 'one document of 50, as a share of a task', '0.055': "a 6-task mean's half-width at 50",
+                      '0.08': 'a difference of two rows', '0.07': 'a difference of two rows',
+                      '5.759': 'history (method.md)', '5.194': 'history', '4.666': 'history', '3.571': 'history',
+                      '3.637': 'history', '3.096': 'history'}},
+    ('docs/serving.md', '## Measured in llama.cpp'): {
+        'files': ('bench_serve.json', 'bench_real.json'),
+        'elsewhere': dict.fromkeys(('38.7', '31.3', '24.6', '29.0', '0.01', '6.18', '9.78', '6.74', '4.5651', '4.5660',
+                                    '0.02', '0.016', '5.17', '6.89', '0.15', '0.003', '6.84', '3.8137', '3.8138',
+                                    '3.8176', '3.8307'), 'probes of one sequence or one setting, run by hand')},
+    ('docs/benchmarks/quality.md', '## MLA at 0 tokens against TransMLA'): {
+        'files': ('mla_zero.json', 'bench_real.json'),
+        'elsewhere': {'0.035': "an accuracy's half-width at 200 documents", '1.3': 'the 2026-11-27 ablation',
+                      '5.240': 'the 2026-11-27 ablation', '3.952': 'the 2026-11-27 ablation',
+                      '1.1': 'a difference from the earlier rows', '2.2': 'a difference from the earlier rows',
+                      '5.593': 'the earlier rows (history)', '5.419': 'the earlier rows (history)'}},
+    ('docs/benchmarks/quality.md', '## On SmolLM2-135M'): {
+        'files': ('bench_real.json',),
+        'elsewhere': {'0.630': 'dha-train eval, by hand', '0.485': 'dha-train eval, by hand', '8.54': 'the refit study',
+                      '5.76': 'the refit study', '4.2931': 'bench conversion', '4.2944': 'bench conversion',
+                      '0.507': "95% of the teacher's accuracy", '68.75': 'MHA2MLA (paper)', '96.8': 'MHA2MLA (paper)',
+                      '0.25': 'MHA2MLA (paper)'}},
+    ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
+        'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
+}
+DECIMAL = re.compile(r'\b\d+\.\d+\b')
+
+
+def _numbers_in(value) -> list[float]:
+    if isinstance(value, dict):
+        return [number for item in value.values() for number in _numbers_in(item)]
+    if isinstance(value, list):
+        return [number for item in value for number in _numbers_in(item)]
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def quoted_prose_problems(page: str, heading: str, markdown: str) -> list[str]:
+    spec = QUOTING_SECTIONS[(page, heading)]
+    recorded = [n for name in spec['files'] for n in _numbers_in(json.loads((RESULTS / name).read_text()))]
+    start = markdown.index(heading)
+    end = markdown.find('\n' + heading.split(' ', 1)[0] + ' ', start + 1)  # the next heading of the same level
+    section = markdown[start:end if end > 0 else len(markdown)]
+    prose = '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
+    problems = []
+    for figure in DECIMAL.findall(prose):
+        if figure in spec['elsewhere'] or any(agrees(figure, number) for number in recorded):
+            continue
+        problems.append(f'{page} ({heading}): {figure} is in no results file ({", ".join(spec["files"])})')
+    return problems
+
+
+@pytest.mark.parametrize('page, heading', list(QUOTING_SECTIONS))
+def test_the_prose_figures_of_a_quoting_section_are_its_results(page, heading):
+    assert quoted_prose_problems(page, heading, (REPO / page).read_text()) == []
+
+
+def test_an_edited_prose_figure_of_the_healing_page_fails():
+    page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
+    heading = '# How fast each method heals'
+    assert '3.599 /\n  0.503' in page
+    edited = page.replace('3.599 /\n  0.503', '3.599 /\n  0.504', 1)
+    assert quoted_prose_problems('docs/benchmarks/healing.md', heading, edited) != []
