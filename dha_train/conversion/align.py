@@ -125,9 +125,12 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
                                                                 maps[kind][layer])
         report_layers.append(entry)
 
+    # The weights are rewritten on the CPU, so the maps (computed where the model ran, a GPU with --device cuda) go
+    # there too.
     state_dict = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     query_to_kv = [layer.key for layer in source.layers]
-    state_dict = align_llama_state_dict(state_dict, maps['key'], maps['value'], query_to_kv)
+    state_dict = align_llama_state_dict(state_dict, [m.cpu() for m in maps['key']], [m.cpu() for m in maps['value']],
+                                        query_to_kv)
     orders = [[head for group in partition for head in group] for partition in partitions]  # K/V heads
     # Query heads follow their K/V head (stable within it): a GQA source stays standard GQA.
     query_orders = [[h for kv in order for h, source_kv in enumerate(shared) if source_kv == kv]
@@ -155,5 +158,5 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
                 (staging / name).write_bytes((model_dir / name).read_bytes())
         head_map.save(staging / TARGET_MAP_FILE)
         (staging / ALIGNMENT_REPORT).write_text(json.dumps(report, indent=2) + '\n')
-        torch.save({kind: torch.stack(s) for kind, s in similarity.items()}, staging / 'aligned_similarity.pt')
+        torch.save({kind: torch.stack(s).cpu() for kind, s in similarity.items()}, staging / 'aligned_similarity.pt')
     return report
