@@ -128,11 +128,15 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
     for name in ('accuracy.png', 'loss.png'):
         assert (tmp_path / 'bench' / name).read_bytes()[:4] == b'\x89PNG'
 
-    # re-running one method at one budget (its stages reused) adds to the table: every other row stays, in order
-    again = run_real_bench(replace(settings, methods=('mla',), budgets=('kv2',)))
-    assert [row['label'] for row in again['rows']] == [row['label'] for row in saved['rows']]
-    assert again['skipped'] == saved['skipped']
-    assert rows['MLA kv2 +CT']['val_loss'] == {row['label']: row for row in again['rows']}['MLA kv2 +CT']['val_loss']
+    # re-running one method at one budget (its stages reused) writes that invocation's rows only, with the same
+    # figures, and keeps the earlier file aside whole: results files are never merged
+    again = run_real_bench(replace(settings, methods=('mla',), budgets=('kv2',)), command='dha-train bench real ...')
+    assert [row['label'] for row in again['rows']] == ['teacher'] + [label for label in labels
+                                                                     if label.startswith('MLA kv2')]
+    assert again['command'] == 'dha-train bench real ...' and again['settings']['methods'] == ['mla']
+    for row in again['rows']:
+        assert (row['val_loss'], row['accuracy']) == (rows[row['label']]['val_loss'], rows[row['label']]['accuracy'])
+    assert json.loads((tmp_path / 'bench' / 'results.replaced-1.json').read_text()) == saved
 
 
 def _stage_name(folder, bench) -> str:
