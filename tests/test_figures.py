@@ -248,16 +248,22 @@ def test_an_edited_serving_figure_fails():
 
 
 def mla_zero_problems(markdown: str) -> list[str]:
-    """The rows of `bench mla-zero`'s table (docs/results/mla_zero.json) that the docs do not quote as printed."""
+    """`bench mla-zero`'s table (docs/results/mla_zero.json) against the quality page's, whole and both ways."""
     from dha_train.commands.bench.mla_zero import markdown_table
 
     results = json.loads((RESULTS / 'mla_zero.json').read_text())
-    lines = markdown_table(results).splitlines()
-    return [f'docs/benchmarks/quality.md lacks the mla-zero row {line!r}' for line in lines if line not in markdown]
+    return table_problems(markdown, markdown_table(results), 'docs/benchmarks/quality.md')
 
 
 def test_the_mla_zero_table_is_the_bench_output():
     assert mla_zero_problems((REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()) == []
+
+
+def test_a_row_added_to_or_dropped_from_the_mla_zero_table_fails():
+    markdown = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith('| TransMLA kv1 |'))
+    assert mla_zero_problems(markdown.replace(row + '\n', '', 1)) != []
+    assert mla_zero_problems(markdown.replace(row, row + '\n' + row.replace('TransMLA', 'TransMLA 32-dim'), 1)) != []
 
 
 def test_an_edited_mla_zero_figure_fails():
@@ -269,12 +275,12 @@ def test_an_edited_mla_zero_figure_fails():
 
 
 def eval_speed_problems(markdown: str) -> list[str]:
-    """The rows of `bench eval-speed`'s table (docs/results/bench_eval_speed.json) the cost page does not quote as
-    printed."""
+    """`bench eval-speed`'s table (docs/results/bench_eval_speed.json) against the cost page's, whole and both
+    ways."""
     from dha_train.commands.bench.eval_speed import markdown_table
 
     results = json.loads((RESULTS / 'bench_eval_speed.json').read_text())
-    return [line for line in markdown_table(results).splitlines() if line not in markdown.splitlines()]
+    return table_problems(markdown, markdown_table(results), 'docs/benchmarks/cost.md')
 
 
 def test_the_eval_speed_table_is_the_bench_output():
