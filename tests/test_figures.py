@@ -63,14 +63,17 @@ def agrees(printed: str, value: float) -> bool:
     return f'{value:.{decimals}f}' == digits
 
 
-def table_problems(markdown: str, generated: str, where: str) -> list[str]:
-    """The page's table headed as ``generated`` is, line for line, ``generated``: every generated row on the page,
-    every page row generated, in the same order."""
+def table_problems(markdown: str, generated: str, where: str, after: str | None = None) -> list[str]:
+    """The page's table headed as ``generated`` (the first one after the line ``after``, when given) is, line for
+    line, ``generated``: every generated row on the page, every page row generated, in the same order."""
     header = generated.splitlines()[0]
     lines = markdown.splitlines()
-    if header not in lines:
+    first = lines.index(after) if after in lines else 0
+    if after is not None and after not in lines:
+        return [f'{where}: no line {after!r}']
+    if header not in lines[first:]:
         return [f'{where}: no table headed {header!r}']
-    start = lines.index(header)
+    start = lines.index(header, first)
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith('|')), len(lines))
     page, wanted = lines[start:end], generated.splitlines()
     problems = [f'{where}: lacks the row {line!r}' for line in wanted if line not in page]

@@ -127,8 +127,9 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
 
     set_aside_earlier(work / 'results.json')
 
-    def save() -> None:
+    def save() -> None:  # after every method, so a run stopped part-way leaves its rows with their intervals
         results['rows'] = in_bench_order(bench.rows)
+        add_intervals(results, seed=settings.seed)
         results['skipped'] = list(bench.skipped)
         results['total_seconds'] = round(time.perf_counter() - started, 1)
         text = json.dumps(results, indent=2, default=str)
@@ -150,7 +151,6 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
         bench.moh()
         save()
     results['plots'] = plot_rows(results, work)
-    add_intervals(results, seed=settings.seed)  # on the row dicts themselves, which save() keeps
     save()
     print_table(results)
     print_intervals(results)
