@@ -182,7 +182,8 @@ def test_the_healing_table_is_the_bench_output():
     from dha_train.commands.bench.real.tables import healing_table
 
     page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
-    assert table_problems(page, healing_table(bench_real_runs()), 'docs/benchmarks/healing.md') == []
+    assert table_problems(page, healing_table(bench_real_runs()), 'docs/benchmarks/healing.md',
+                          after='### The 50-document rows') == []
 
 
 def test_the_readme_prose_figures_are_the_results():
@@ -303,7 +304,7 @@ def test_an_edited_eval_speed_figure_fails():
 # README's phrases, made from named rows, are the strict checks).
 QUOTING_SECTIONS = {
     ('docs/benchmarks/healing.md', '# How fast each method heals'): {
-        'files': ('bench_real.json',),
+        'files': ('bench_real.json', 'bench_real_rerun.json'),
         'elsewhere': {'0.02': 'one document of 50, as a share of a task', '0.055': "a 6-task mean's half-width at 50",
                       '0.08': 'a difference of two rows', '0.07': 'a difference of two rows',
                       '5.759': 'history (method.md)', '5.194': 'history', '4.666': 'history', '3.571': 'history',
@@ -348,7 +349,7 @@ def quoted_prose_problems(page: str, heading: str, markdown: str) -> list[str]:
     prose = '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
     problems = []
     for figure in DECIMAL.findall(prose):
-        if figure in spec['elsewhere'] or any(agrees(figure, number) for number in recorded):
+        if figure in spec['elsewhere'] or any(agrees(figure, abs(number)) for number in recorded):  # sign apart
             continue
         problems.append(f'{page} ({heading}): {figure} is in no results file ({", ".join(spec["files"])})')
     return problems
@@ -365,3 +366,35 @@ def test_an_edited_prose_figure_of_the_healing_page_fails():
     assert '3.599 /\n  0.503' in page
     edited = page.replace('3.599 /\n  0.503', '3.599 /\n  0.504', 1)
     assert quoted_prose_problems('docs/benchmarks/healing.md', heading, edited) != []
+
+
+RERUN = 'bench_real_rerun.json'  # the 400-document re-run so far: one invocation of the methods it has finished
+RERUN_README_LINE = '**The re-run so far**'
+RERUN_HEALING_LINE = '### The re-run so far'
+
+
+def test_the_rerun_tables_are_the_bench_output():
+    from dha_train.commands.bench.real.tables import headline_table, healing_table, load_runs
+
+    runs = load_runs(RESULTS / RERUN)
+    readme = (REPO / 'README.md').read_text()
+    page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
+    assert any(line.startswith(RERUN_README_LINE) for line in readme.splitlines())
+    after = next(line for line in readme.splitlines() if line.startswith(RERUN_README_LINE))
+    assert table_problems(readme, headline_table(runs), 'README', after=after) == []
+    assert table_problems(page, healing_table(runs), 'docs/benchmarks/healing.md', after=RERUN_HEALING_LINE) == []
+
+
+def test_the_rerun_is_one_invocation_whose_ranking_rows_score_400_documents_with_intervals():
+    from dha_train.commands.bench.real.tables import load_runs
+
+    (run,) = load_runs(RESULTS / RERUN)
+    assert run['command'].startswith('dha-train bench real ') and run['settings']['limit'] >= 400
+    for row in run['rows']:
+        if row.get('same_as'):
+            continue
+        assert row['val_loss_ci95'] > 0 and row['accuracy_ci95'] > 0, row['label']
+        assert row['documents_per_task'] == (run['settings']['limit'] if row['evaluation'] == 'ranking'
+                                             else run['settings']['intermediate_limit']), row['label']
+        if row['method'] != 'teacher':
+            assert len(row['vs_teacher']['accuracy']) == 3, row['label']
