@@ -341,14 +341,15 @@ class StageRunner:
         build, reads = refit
         refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
         seconds += refitted['seconds']
-        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, True, stage='refit',
+        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, intermediate=True,
+                      stage='refit',
                       stage_s=refitted['seconds'], **extra)
         # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
         transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
                                  model_path=refitted['hf_folder'], source_path=self.source, lr=s.transfer_lr)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
-                      True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
+                      intermediate=True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
         distilled = self.train(f'{name}-kl', 'real/kl.yaml', kl_batches, s.seed + 102, fsdp=True,
                                model_path=transferred['hf_folder'], source_path=self.source, lr=s.kl_lr)
         seconds += distilled['seconds']

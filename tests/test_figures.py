@@ -68,9 +68,9 @@ def table_problems(markdown: str, generated: str, where: str, after: str | None 
     line, ``generated``: every generated row on the page, every page row generated, in the same order."""
     header = generated.splitlines()[0]
     lines = markdown.splitlines()
-    first = lines.index(after) if after in lines else 0
     if after is not None and after not in lines:
         return [f'{where}: no line {after!r}']
+    first = lines.index(after) if after is not None else 0
     if header not in lines[first:]:
         return [f'{where}: no table headed {header!r}']
     start = lines.index(header, first)
@@ -83,9 +83,12 @@ def table_problems(markdown: str, generated: str, where: str, after: str | None 
     return problems
 
 
-def readme_section(readme: str) -> str:
-    start = readme.index('## Headline figures')
-    return readme[start:readme.index('\n## ', start + 1)]
+def section_prose(markdown: str, heading: str) -> str:
+    """The lines of the section that starts at ``heading`` (up to the next heading of its level), tables left out."""
+    start = markdown.index(heading)
+    end = markdown.find('\n' + heading.split(' ', 1)[0] + ' ', start + 1)
+    section = markdown[start:end if end > 0 else len(markdown)]
+    return '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
 
 
 def readme_prose_figures() -> dict[str, str]:
@@ -123,11 +126,10 @@ STATED_FIGURES = ('90%', '1.5x', '95%')  # targets and the interval's level the 
 def prose_problems(readme: str) -> list[str]:
     """Every figure phrase of ``readme_prose_figures`` is in the headline section, and the section's prose (its table
     apart) holds no decimal, percentage or ratio that is not in one of them."""
-    section = readme_section(readme)
+    prose = section_prose(readme, '## Headline figures')
     phrases = readme_prose_figures()
     problems = [f'README: the headline section lacks {name}: {phrase!r}' for name, phrase in phrases.items()
-                if phrase not in section]
-    prose = '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
+                if phrase not in prose]
     for phrase in phrases.values():
         prose = prose.replace(phrase, ' ')
     problems += [f'README: the figure {figure!r} in the headline prose comes from no results file'
@@ -343,10 +345,7 @@ def _numbers_in(value) -> list[float]:
 def quoted_prose_problems(page: str, heading: str, markdown: str) -> list[str]:
     spec = QUOTING_SECTIONS[(page, heading)]
     recorded = [n for name in spec['files'] for n in _numbers_in(json.loads((RESULTS / name).read_text()))]
-    start = markdown.index(heading)
-    end = markdown.find('\n' + heading.split(' ', 1)[0] + ' ', start + 1)  # the next heading of the same level
-    section = markdown[start:end if end > 0 else len(markdown)]
-    prose = '\n'.join(line for line in section.splitlines() if not line.startswith('|'))
+    prose = section_prose(markdown, heading)
     problems = []
     for figure in DECIMAL.findall(prose):
         if figure in spec['elsewhere'] or any(agrees(figure, abs(number)) for number in recorded):  # sign apart

@@ -206,7 +206,7 @@ class RealBench(StageRunner):
         remaining = self.batches - fused['batches']
         # after Fusion is an intermediate row unless Fusion spent the whole budget (then it is DHA's own-training row)
         self.evaluate(f'{title} {budget} post-fusion', method, budget, fused['hf_folder'], fused['fusion_tokens'],
-                      seconds, remaining > 0, **extra)
+                      seconds, intermediate=remaining > 0, **extra)
         if remaining <= 0:
             self.skipped.append({'method': method, 'budget': budget, 'reason': (
                 'fusion used the whole token budget (it did not reach the threshold earlier), so no CT: the '

@@ -40,8 +40,8 @@ def comparison_kind(row: dict) -> str:
 def add_intervals(results: dict, seed: int = 0) -> None:
     """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
     differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget, tokens and
-    kind of row (``comparison_kind``; ``vs_teacher``, ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}, over the documents and sequences
-    the two share), for rows that kept their documents."""
+    kind of row (``comparison_kind``), over the documents and sequences the two share (``vs_teacher``,
+    ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their documents."""
     from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 
     items = {row['label']: _paired_items(row) for row in results['rows']}
