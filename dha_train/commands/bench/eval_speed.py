@@ -33,7 +33,7 @@ def _score(lm_class, model, tokenizer, task: str, settings: EvalSpeedSettings) -
     """(seconds in the log-likelihood stage, requests, tokens, per-document samples) of one task."""
     from lm_eval import simple_evaluate
 
-    from dha_train.harness import _quiet_local_data, hub_offline, task_manager
+    from dha_train.harness import hub_offline, quiet_local_data, task_manager
 
     spent = {'seconds': 0.0, 'requests': 0, 'tokens': 0}
     plain = lm_class._loglikelihood_tokens
@@ -48,7 +48,7 @@ def _score(lm_class, model, tokenizer, task: str, settings: EvalSpeedSettings) -
 
     lm_class._loglikelihood_tokens = timed
     try:
-        with hub_offline(), _quiet_local_data():
+        with hub_offline(), quiet_local_data():
             lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device='cpu',
                           max_length=model.config.max_position_embeddings)
             output = simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=settings.limit, log_samples=True,
