@@ -321,9 +321,9 @@ class StageRunner:
     def heal(self, name: str, label: str, method: str, budget: str, converted: str | Path, seconds: float,
              refit=None, **extra) -> None:
         """The healing rows of one 0-token conversion: refit (0 training tokens; ``refit``, a (build, reads) pair,
-        builds it where ``dha-train refit`` does not apply), then attention transfer and KL distillation, which
-        together train on as many tokens as the method's CT row. Both train as ``launch/heal.sh``'s recipes do,
-        under FSDP2 (one rank here)."""
+        builds it where ``dha-train refit`` does not apply; ``False``: no refit, for MoH, which pools no K/V head),
+        then attention transfer and KL distillation, which together train on as many tokens as the method's CT row.
+        Both train as ``launch/heal.sh``'s recipes do, under FSDP2 (one rank here)."""
         if not self.settings.heal:
             return
         s = self.settings
@@ -338,15 +338,17 @@ class StageRunner:
                 return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
                         **{key: value for key, value in report.items() if key.startswith('mean_')}}
             refit = refit_by_command, self.calibration(settings)
-        build, reads = refit
-        refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
-        seconds += refitted['seconds']
-        self.evaluate(f'{label} +refit', method, budget, refitted['hf_folder'], 0, seconds, intermediate=True,
-                      stage='refit',
-                      stage_s=refitted['seconds'], **extra)
+        start = str(converted)
+        if refit is not False:
+            build, reads = refit
+            refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
+            seconds += refitted['seconds']
+            start = refitted['hf_folder']
+            self.evaluate(f'{label} +refit', method, budget, start, 0, seconds, intermediate=True, stage='refit',
+                          stage_s=refitted['seconds'], **extra)
         # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
         transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
-                                 model_path=refitted['hf_folder'], source_path=self.source, lr=s.transfer_lr)
+                                 model_path=start, source_path=self.source, lr=s.transfer_lr)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
                       intermediate=True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,6 +215,37 @@ def test_bench_real_healing_rows_refit_transfer_and_kl_at_the_ct_rows_tokens(tmp
     assert _stages_run(bench, replace(settings, heal=False)) == {
         'data-heldout', 'meanpool-kv1-convert', 'meanpool-kv1-ct', 'eval:teacher', 'eval:mean-pool-kv1-0',
         'eval:mean-pool-kv1-ct'}
+
+
+@pytest.mark.slow
+def test_moh_heals_by_attention_transfer_and_kl_from_the_surgery_without_a_refit(tmp_path, tokenizer_dir, data_root):
+    """MoH pools no K/V head (``dha-train refit`` refuses it), so its healing starts at attention transfer on the
+    surgery's model, then KL: rows at the CT row's tokens and the source's cache bytes, the MoH class and routing
+    kept through both exports, and the layer-wise transfer loss going down."""
+    source = _tiny_gqa(tmp_path / 'gqa', tokenizer_dir)
+    raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
+    task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=2, max_words=120)
+    settings = RealSettings(
+        out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
+        tokens=2 * 4 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, eval_batch_size=4,
+        tasks=[LOCAL_TASK], include=[str(task)], methods=('moh',), budgets=('kv1',), isolate_stages=False)
+    results = run_real_bench(settings)
+    rows = {row['label']: row for row in results['rows']}
+    budget = results['settings']['training_tokens_per_method']
+    assert [label for label in rows if label.startswith('MoH')] == [
+        'MoH 7/9 @0', 'MoH 7/9 +transfer', 'MoH 7/9 +KL', 'MoH 7/9 +CT']
+    assert rows['MoH 7/9 +transfer']['tokens'] == budget // 2
+    assert rows['MoH 7/9 +KL']['tokens'] == rows['MoH 7/9 +CT']['tokens'] == budget
+    assert rows['MoH 7/9 +transfer']['evaluation'] == 'intermediate' and rows['MoH 7/9 +KL']['evaluation'] == 'ranking'
+    for label in ('@0', '+transfer', '+KL'):
+        assert rows[f'MoH 7/9 {label}']['kv_bytes'] == rows['teacher']['kv_bytes'], label
+    stages = dict(_finished_stages(tmp_path / 'bench'))
+    assert 'moh-refit' not in stages
+    for name in ('moh-transfer', 'moh-kl'):
+        config = json.loads((Path(stages[name]['hf_folder']) / 'config.json').read_text())
+        assert (config['model_type'], config['moh_shared_heads'], config['moh_top_k']) == ('moh_llama', 4, 3), name
+    history = json.loads((Path(stages['moh-transfer']['hf_folder']).parent / 'history.json').read_text())['train']
+    assert history[-1][1] < history[0][1]
 
 
 def test_an_earlier_results_file_is_kept_aside_never_merged_or_overwritten(tmp_path):

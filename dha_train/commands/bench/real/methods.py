@@ -311,6 +311,9 @@ class RealBench(StageRunner):
 
         converted = self.stage(self.runs, f'{name}-surgery', surgery, shared_heads=shared, top_k=top_k)
         self.evaluate(f'MoH {active}/{heads} @0', 'moh', None, converted['hf_folder'], 0, converted['seconds'], **setting)
+        # healed: attention transfer and KL from the source on the surgery's model (no refit: no K/V head is pooled)
+        self.heal(name, f'MoH {active}/{heads}', 'moh', None, converted['hf_folder'], converted['seconds'],
+                  refit=False, **setting)
         trained = self.train(f'{name}-continue', 'real/moh.yaml', self.batches, model_path=self.source,
                              shared_heads=shared, top_k=top_k)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
