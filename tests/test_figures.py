@@ -93,8 +93,11 @@ def section_prose(markdown: str, heading: str) -> str:
 
 def readme_prose_figures() -> dict[str, str]:
     """The README's headline prose figures, each a phrase made from the results file it quotes."""
+    from dha_train.commands.bench.real.tables import load_runs
+
     rows = bench_real_rows()
     teacher = rows['teacher']
+    rerun = {row['label']: row for run in load_runs(RESULTS / RERUN) for row in run['rows']}
     zero = {row['label']: row['loss'] for row in json.loads((RESULTS / 'mla_zero.json').read_text())['rows']}
     serve = json.loads((RESULTS / 'bench_serve.json').read_text())
     at_8k = {row['model']: row for row in serve['rows'] if row['outtype'] == 'f16' and row['context'] == 8192}
@@ -116,6 +119,8 @@ def readme_prose_figures() -> dict[str, str]:
                     f"FreqFold) decodes at {at_8k['MLA-DeepSeek 1/3']['decode_ratio']:.2f}x and "
                     f"{at_8k['MLA-DeepSeek 2/3']['decode_ratio']:.2f}x"),
         'healing_share': f"{rows['mean-pool kv1 +KL']['mean_accuracy'] / teacher['mean_accuracy']:.0%}",
+        'rerun_healing_share': f"{rerun['mean-pool kv1 +KL']['mean_accuracy'] / rerun['teacher']['mean_accuracy']:.0%} "
+                               'on the 400-document re-run',
     }
 
 
@@ -206,7 +211,10 @@ def test_an_edited_readme_prose_figure_fails():
     readme = (REPO / 'README.md').read_text()
     share = readme_prose_figures()['healing_share']
     assert prose_problems(readme.replace(f'reaches {share}', 'reaches 88%', 1)) != []
-    assert prose_problems(readme.replace('(the target was 90%)', '(the target was 90%, 0.437 of 0.533)', 1)) != []
+    assert prose_problems(readme.replace('the target\nwas 90%)', 'the target\nwas 90%, 0.437 of 0.533)', 1)) != []
+    rerun_share = readme_prose_figures()['rerun_healing_share']
+    assert rerun_share in readme
+    assert prose_problems(readme.replace(rerun_share, rerun_share.replace('%', '.5%'), 1)) != []
 
 
 def test_an_edited_interval_or_difference_fails():

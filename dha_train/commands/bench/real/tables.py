@@ -93,6 +93,8 @@ def _headline_stage(row: dict) -> str:
     if row['method'] in ('dha', 'dha_servable') and end == '+CT':
         return 'Fusion + CT'
     if row['method'] == 'moh':
+        if end == '+KL':  # MoH pools no K/V head: its healing has no refit
+            name = 'healed (transfer, KL)'
         return f'{name}, {row["label"].split()[1]} heads active'  # 'MoH 7/9 +CT': its own setting
     return name
 
