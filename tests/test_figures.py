@@ -388,12 +388,24 @@ README_HEADLINE = '## Headline figures: every method on SmolLM2-135M'
 RERUN_HEALING_LINE = '### The re-run so far'
 
 
-def test_the_rerun_healing_table_is_the_bench_output():
-    from dha_train.commands.bench.real.tables import healing_table
+def test_the_rerun_healing_and_ranking_tables_are_the_bench_output():
+    from dha_train.commands.bench.real.tables import healing_table, ranking_table
 
     page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
-    assert table_problems(page, healing_table(rerun_runs()), 'docs/benchmarks/healing.md',
-                          after=RERUN_HEALING_LINE) == []
+    for table in (healing_table(rerun_runs()), ranking_table(rerun_runs())):
+        assert table_problems(page, table, 'docs/benchmarks/healing.md', after=RERUN_HEALING_LINE) == []
+
+
+def test_an_edited_place_or_mark_of_the_ranking_fails():
+    from dha_train.commands.bench.real.tables import ranking_table
+
+    page = (REPO / 'docs' / 'benchmarks' / 'healing.md').read_text()
+    table = ranking_table(rerun_runs())
+    second = next(line for line in table.splitlines() if line.split(' | ')[2] == '2')
+    for edited in (second.replace(' | 2 | ', ' | 1 | ', 1), second.replace(']*', ']', 1)):
+        assert edited != second and second in page
+        assert table_problems(page.replace(second, edited, 1), table, 'docs/benchmarks/healing.md',
+                              after=RERUN_HEALING_LINE) != []
 
 
 def test_the_rerun_is_one_invocation_whose_ranking_rows_score_400_documents_with_intervals():

@@ -41,8 +41,9 @@ def add_intervals(results: dict, seed: int = 0) -> None:
     """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
     differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget, tokens and
     kind of row (``comparison_kind``), over the documents and sequences the two share (``vs_teacher``,
-    ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their documents."""
-    from dha_train.ops.intervals import mean_of_means_interval, paired_difference
+    ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their documents; and each
+    ranking row's difference from the row just ahead of it (``add_ranking``)."""
+    from dha_train.ops.intervals import mean_of_means_interval
 
     items = {row['label']: _paired_items(row) for row in results['rows']}
     teacher = next((row['label'] for row in results['rows'] if row['method'] == 'teacher'), None)
@@ -59,9 +60,39 @@ def add_intervals(results: dict, seed: int = 0) -> None:
             theirs = items.get(reference) if reference not in (None, row['label']) else None
             if theirs is None:
                 continue
-            row[key] = {'accuracy': list(paired_difference(*_shared(theirs[0], mine[0]), seed=seed))}
-            if mine[1] and theirs[1]:
-                row[key]['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed))
+            row[key] = _paired(theirs, mine, seed)
+    add_ranking(results, items, seed)
+
+
+def _paired(theirs: tuple[dict, dict], mine: tuple[dict, dict], seed: int) -> dict:
+    """{'accuracy'[, 'loss']: [mine - theirs, low, high]} over the documents and sequences the two rows share."""
+    from dha_train.ops.intervals import paired_difference
+
+    paired = {'accuracy': list(paired_difference(*_shared(theirs[0], mine[0]), seed=seed))}
+    if mine[1] and theirs[1]:
+        paired['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed))
+    return paired
+
+
+def ranking_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The ranking rows that compete (same budget, kind of row and training tokens; the teacher, rows that repeat
+    another row's model (``same_as``) and rows without an interval left out), each group in order of held-out loss."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if (row['method'] != 'teacher' and not row.get('same_as') and row.get('accuracy_ci95') is not None
+                and row.get('evaluation', 'ranking') == 'ranking'):
+            groups.setdefault((row['budget'], comparison_kind(row), row['tokens']), []).append(row)
+    return {key: sorted(group, key=lambda row: row['val_loss']) for key, group in groups.items() if len(group) > 1}
+
+
+def add_ranking(results: dict, items: dict, seed: int = 0) -> None:
+    """Each competing row after the first of its ``ranking_groups`` gets ``vs_next_better``: its paired differences
+    from the row just ahead of it in held-out loss, so a claim that one method ranks above the next carries an
+    interval."""
+    for group in ranking_groups(results['rows']).values():
+        for ahead, row in zip(group, group[1:]):
+            row['vs_next_better'] = {'label': ahead['label'], **_paired(items[ahead['label']], items[row['label']],
+                                                                         seed)}
 
 
 def with_interval(value: float | None, half: float | None, digits: int = 3) -> str:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from dha_train.bench_settings import METHODS
-from dha_train.commands.bench.real.report import marked_difference, with_interval
+from dha_train.commands.bench.real.report import marked_difference, ranking_groups, with_interval
 from dha_train.config import ConfigError
 
 TASK_COLUMNS = (('piqa', 'piqa'), ('arc_easy', 'arc-e'), ('arc_challenge', 'arc-c'), ('hellaswag', 'hswag'),
@@ -135,9 +135,34 @@ def headline_table(runs: list[dict]) -> str:
     return '\n'.join(lines)
 
 
+RANKING_KINDS = {'converted': '0 tokens', 'kl': 'healed', 'trained': 'own training'}
+CACHE_NAMES = {'kv1': 'a third', 'kv2': 'two thirds', None: 'the whole'}
+
+
+def ranking_table(runs: list[dict]) -> str:
+    """The ranking rows that compete (``ranking_groups``: same cache, kind of row and tokens), each group in order of
+    held-out loss, each row with its paired differences from the row just ahead of it (``*``: the interval excludes
+    0, so the two places are told apart at 95%)."""
+    lines = ['| cache | rows | place | row | held-out loss | mean accuracy | loss - the row above '
+             '| accuracy - the row above |', '| --- ' * 8 + '|']
+    groups = ranking_groups(result_rows(runs))
+    order = list(RANKING_KINDS)
+    for (budget, kind, _), group in sorted(groups.items(), key=lambda item: (
+            list(CACHE_NAMES).index(item[0][0]), order.index(item[0][1]) if item[0][1] in order else len(order))):
+        for place, row in enumerate(group, 1):
+            above = row.get('vs_next_better') or {}
+            lines.append(f'| {CACHE_NAMES.get(budget, budget)} | {RANKING_KINDS.get(kind, kind)} | {place} | '
+                         f'{row["label"]} | {with_interval(row["val_loss"], row.get("val_loss_ci95"))} | '
+                         f'{with_interval(row["mean_accuracy"], row.get("accuracy_ci95"))} | '
+                         f'{marked_difference(above.get("loss"))} | {marked_difference(above.get("accuracy"))} |')
+    return '\n'.join(lines)
+
+
 def print_tables(paths: list[str | Path]) -> None:
     runs = [run for path in paths for run in load_runs(path)]
     print('Headline (README):\n')
     print(headline_table(runs))
     print('\nEvery row (docs/benchmarks/healing.md):\n')
     print(healing_table(runs))
+    print('\nThe ranking, with the difference from the row just ahead (docs/benchmarks/healing.md):\n')
+    print(ranking_table(runs))
