@@ -14,7 +14,8 @@
   against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time;
-- ``real-tables``: the Markdown tables the README and the healing page quote, from ``real``'s results files;
+- ``real-tables``: the Markdown tables the README and the healing page quote (headline, every row, the ranking), from
+  ``real``'s results files;
 - ``eval-speed``: evaluation throughput, lm-eval's HFLM against the project's context-sharing scorer on one model,
   task by task: documents and tokens per second, and every document's scores checked equal;
 - ``mla-zero``: MLA conversions at 0 training tokens (DeepSeek layout, MLA class, mean-pool + refit and, from a
@@ -209,8 +210,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
     real.set_defaults(func=run_real)
-    tables = bench.add_parser('real-tables', help="the README's headline table and the healing page's table from bench "
-                              "real's results files, with 95%% intervals and marked paired differences")
+    tables = bench.add_parser('real-tables', help="the README's headline table, the healing page's table and the ranking "
+                              "(each competing row against the one just ahead) from bench real's results files, with "
+                              "95%% intervals and marked paired differences")
     tables.add_argument('results', nargs='+', help='bench real results files (docs/results/bench_real.json)')
     tables.set_defaults(func=run_real_tables)
     zero = bench.add_parser('mla-zero', help='MLA conversions at 0 training tokens at 1/3 and 2/3 of SmolLM2-135M\'s '
