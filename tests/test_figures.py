@@ -136,18 +136,16 @@ def deepseek_rerun_phrase(rerun: dict[str, dict]) -> str:
                      if label in [row['label'] for row in group]]
         return ORDINAL[labels.index(label)]
 
-    def loss(row: dict) -> str:
+    def versus_mean_pool(row: dict) -> str:
         value, low, high = row['vs_mean_pool']['loss']
-        level = ', not significant' if low <= 0 <= high else ''
-        return (f"{row['val_loss']:.3f} ± {row['val_loss_ci95']:.3f}; "
-                f"{value:+.3f} [{low:+.3f}, {high:+.3f}]{level}")
+        return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]" + (', not significant' if low <= 0 <= high else '')
 
     kv1, kv2 = rerun['MLA-DeepSeek kv1 +KL'], rerun['MLA-DeepSeek kv2 +KL']
-    first, second = loss(kv1).split('; '), loss(kv2).split('; ')
     return (f"Healed, MLA in DeepSeek's format has the {place(kv1['label'])} held-out loss of the re-run's rows "
-            f"at a third ({first[0]}; against healed mean-pool {first[1]}) and the {place(kv2['label'])} at two "
-            f"thirds ({second[0]}; {second[1]}), {kv2['val_loss'] - rerun['teacher']['val_loss']:.2f} above the "
-            "teacher's.")
+            f"at a third ({kv1['val_loss']:.3f} ± {kv1['val_loss_ci95']:.3f}; against healed mean-pool "
+            f"{versus_mean_pool(kv1)}) and the {place(kv2['label'])} at two thirds ({kv2['val_loss']:.3f} ± "
+            f"{kv2['val_loss_ci95']:.3f}; {versus_mean_pool(kv2)}), "
+            f"{kv2['val_loss'] - rerun['teacher']['val_loss']:.2f} above the teacher's.")
 
 
 FIGURE = re.compile(r'\d+(?:\.\d+)?(?:%|x\b)|\d+\.\d+')

@@ -145,10 +145,13 @@ def ranking_table(runs: list[dict]) -> str:
     0, so the two places are told apart at 95%)."""
     lines = ['| cache | rows | place | row | held-out loss | mean accuracy | loss - the row above '
              '| accuracy - the row above |', '| --- ' * 8 + '|']
+    def place(key: tuple) -> tuple[int, int]:  # by cache, then 0 tokens, healed, own training
+        budget, kind, _ = key
+        kinds = list(RANKING_KINDS)
+        return list(CACHE_NAMES).index(budget), kinds.index(kind) if kind in kinds else len(kinds)
+
     groups = ranking_groups(result_rows(runs))
-    order = list(RANKING_KINDS)
-    for (budget, kind, _), group in sorted(groups.items(), key=lambda item: (
-            list(CACHE_NAMES).index(item[0][0]), order.index(item[0][1]) if item[0][1] in order else len(order))):
+    for (budget, kind, _), group in sorted(groups.items(), key=lambda item: place(item[0])):
         for place, row in enumerate(group, 1):
             above = row.get('vs_next_better') or {}
             lines.append(f'| {CACHE_NAMES.get(budget, budget)} | {RANKING_KINDS.get(kind, kind)} | {place} | '
