@@ -46,10 +46,11 @@ def _finish(fig, ax, out: str | Path, xlabel: str, ylabel: str, title: str, grid
     return _save(fig, out)
 
 
-def _save(fig, out: str | Path) -> Path:
+def _save(fig, out: str | Path, keep_outside: bool = False) -> Path:
+    """Write the PNG; ``keep_outside`` grows the image to hold a legend placed beside the axes."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches='tight' if keep_outside else None)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -134,6 +135,44 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
     if log_y:
         ax.set_yscale('log')
     return _finish(fig, ax, out, xlabel, ylabel, title, legend_outside=many)
+
+
+def plot_panels(panels: dict, out: str | Path, title: str = '', xlabel: str = '', ylabel: str = '',
+                reference: tuple[str, float] | None = None) -> Path:
+    """Side-by-side axes sharing y, one per panel {panel: {curve: {'points': [(x, y, half_width), ...],
+    'colour_key': str, 'dashed': bool}}}: each point with its 95% interval as an error bar, a curve's colour fixed by
+    its ``colour_key`` across panels (so one method reads alike in every panel), and one reference line in each."""
+    plt = _pyplot()
+    keys = sorted({curve['colour_key'] for curves in panels.values() for curve in curves.values()})
+    palette = plt.get_cmap('tab10' if len(keys) <= 10 else 'tab20')
+    colour = {key: palette(i % palette.N) for i, key in enumerate(keys)}
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.6 * max(len(panels), 1) + 2.4, 4.6), dpi=120,
+                             sharey=True, squeeze=False)
+    for ax, (panel, curves) in zip(axes[0], panels.items()):
+        for name, curve in curves.items():
+            points = sorted(curve['points'])
+            if not points:
+                continue
+            xs, ys, half = zip(*points)
+            ax.errorbar(xs, ys, yerr=[h or 0.0 for h in half], marker='o', markersize=3, capsize=2, linewidth=1.5,
+                        linestyle='--' if curve['dashed'] else '-', color=colour[curve['colour_key']], label=name)
+        if reference is not None:
+            ax.axhline(reference[1], linestyle=':', linewidth=1, color='0.3', label=reference[0])
+        ax.set_title(panel)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    handles, labels = {}, []
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = handle
+                labels.append(label)
+    fig.legend([handles[label] for label in labels], labels, loc='upper left', bbox_to_anchor=(0.995, 0.93),
+               fontsize='small')
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out, keep_outside=True)
 
 
 def plot_head_load(load, out: str | Path, title: str = '') -> Path:

@@ -62,3 +62,36 @@ def test_the_ranking_orders_each_group_by_loss_and_pairs_each_row_with_the_one_a
         '| a third | healed | 1 | DHA kv1 +KL | 3.345 ± 0.010 | 1.000 ± 0.000 | - | - |',
         f'| a third | healed | 2 | mean-pool kv1 +KL | 3.645 ± 0.010 | 0.500 ± {rows["mean-pool kv1 +KL"]["accuracy_ci95"]:.3f} '
         f'| +0.300 [+0.300, +0.300]* | -0.500 [{low:+.3f}, {high:+.3f}]* |']
+
+
+def test_the_plots_draw_each_budget_apart_with_intervals_and_skip_curves_that_repeat_another(tmp_path):
+    """One panel per cache budget; healing and own training start from the method's 0-token point; a point carries
+    its half-width; a method whose rows at a budget are all another's models (``same_as``) draws no curve there."""
+    from dha_train.commands.bench.real.report import panel_curves, plot_rows
+
+    def row(label, method, budget, tokens, loss, stage=None, same_as=None):
+        return {'label': label, 'method': method, 'budget': budget, 'tokens': tokens, 'val_loss': loss,
+                'val_loss_ci95': 0.05, 'mean_accuracy': 0.4, 'accuracy_ci95': 0.02, 'stage': stage,
+                'same_as': same_as}
+
+    results = {'source': {'name': 'tiny'}, 'rows': [
+        row('teacher', 'teacher', None, 0, 3.0),
+        row('mean-pool kv1 @0', 'mean_pool', 'kv1', 0, 8.0),
+        row('mean-pool kv1 +KL', 'mean_pool', 'kv1', 64, 4.0, stage='kl'),
+        row('mean-pool kv1 +CT', 'mean_pool', 'kv1', 64, 6.0),
+        row('AsymGQA kv1 @0', 'asym_gqa', 'kv1', 0, 8.0, same_as='mean-pool kv1 @0'),
+        row('AsymGQA kv1 +CT', 'asym_gqa', 'kv1', 64, 6.0, same_as='mean-pool kv1 +CT'),
+        row('DHA kv1 @0', 'dha', 'kv1', 0, 8.0, same_as='mean-pool kv1 @0'),
+        row('DHA kv1 post-fusion', 'dha', 'kv1', 64, 7.0),
+        row('mean-pool kv2 @0', 'mean_pool', 'kv2', 0, 5.0),
+        row('mean-pool kv2 +CT', 'mean_pool', 'kv2', 64, 4.5)]}
+    panels = panel_curves(results, 'val_loss', 'val_loss_ci95')
+    assert list(panels) == ['a third of the cache', 'two thirds of the cache']
+    third = panels['a third of the cache']
+    assert set(third) == {'mean_pool', 'mean_pool healed', 'dha'}
+    assert third['mean_pool healed']['points'] == [(0, 8.0, 0.05), (64, 4.0, 0.05)]
+    assert third['dha']['points'] == [(0, 8.0, 0.05), (64, 7.0, 0.05)] and third['dha']['dashed']
+    assert not third['mean_pool healed']['dashed']
+    assert set(panels['two thirds of the cache']) == {'mean_pool'}
+    for path in plot_rows(results, tmp_path):
+        assert open(path, 'rb').read(4) == b'\x89PNG'

@@ -53,7 +53,7 @@ teacher and from mean-pool.
 
 Writes ``results.json`` (this invocation's rows only, with its command and settings; an earlier one is set aside,
 never merged; ``--results`` writes a second copy), ``accuracy.png`` / ``loss.png`` (against training tokens, one
-line per method and budget, the teacher as a reference line) and prints the tables.
+panel per cache budget, each method's healing and own training with 95% error bars, the teacher as a reference line) and prints the tables.
 
 Defaults (``--device auto`` picks cuda when there is one, ``bench_settings``): on CPU 32,768 training tokens per
 method (16 batches of 8 x 256), 400 documents a task (100 for intermediate rows), 65,536 held-out tokens, DHA Search

@@ -153,32 +153,44 @@ def print_table(results: dict) -> None:
           'seconds up to the row (reused stages count their recorded time); eval s: that row\'s evaluation')
 
 
-def plot_rows(results: dict, work: Path) -> list[str]:
-    from dha_train.plots import plot_curves
+BUDGET_PANELS = {'kv1': 'a third of the cache', 'kv2': 'two thirds of the cache', None: 'the full cache'}
 
-    curves: dict[str, list] = {}
+
+def panel_curves(results: dict, metric: str, half_width: str) -> dict[str, dict]:
+    """{panel: {curve: {'points': [(tokens, value, half-width)], 'colour_key', 'dashed'}}}, one panel per cache budget:
+    each method's healing (solid) and own training (dashed) from its shared 0-token point. A curve whose rows are all
+    another method's models (``same_as``) is left out: it would only draw over that curve."""
+    panels: dict[str, dict] = {}
     for row in results['rows']:
         if row['method'] == 'teacher':
             continue
-        key = row['method'] + (f' {row["budget"]}' if row['budget'] else '')
-        if row.get('stage'):  # healing: its own curve, from the same 0-token point as the CT curve
-            curves.setdefault(f'{key} healed', []).append(row)
-            continue
-        curves.setdefault(key, []).append(row)
-        if row['tokens'] == 0:
-            curves.setdefault(f'{key} healed', []).append(row)
-    curves = {key: rows for key, rows in curves.items() if not key.endswith(' healed') or len(rows) > 1}
+        curves = panels.setdefault(BUDGET_PANELS[row['budget']], {})
+        own = curves.setdefault(row['method'], {'rows': [], 'dashed': True})
+        healed = curves.setdefault(f'{row["method"]} healed', {'rows': [], 'dashed': False})
+        (healed if row.get('stage') else own)['rows'].append(row)
+        if not row.get('stage') and row['tokens'] == 0:
+            healed['rows'].append(row)
+    return {title: {name: {'points': [(r['tokens'], r[metric], r.get(half_width)) for r in curve['rows']
+                                      if r[metric] is not None],
+                           'colour_key': curve['rows'][0]['method'], 'dashed': curve['dashed']}
+                    for name, curve in panels[title].items()
+                    if len(curve['rows']) > 1 and not all(r.get('same_as') for r in curve['rows'])}
+            for title in BUDGET_PANELS.values() if title in panels}
+
+
+def plot_rows(results: dict, work: Path) -> list[str]:
+    """accuracy.png and loss.png (``panel_curves``), every point with its 95% interval, the teacher as a line."""
+    from dha_train.plots import plot_panels
+
     teacher = results['rows'][0]
     files = []
-    for metric, name, label in (('mean_accuracy', 'accuracy.png', 'mean accuracy (6 tasks)'),
-                                ('val_loss', 'loss.png', 'held-out validation loss')):
-        points = {key: sorted((r['tokens'], r[metric]) for r in rows if r[metric] is not None)
-                  for key, rows in curves.items()}
-        if teacher[metric] is None:
-            continue
-        files.append(str(plot_curves(points, work / name, title=f'{results["source"]["name"]}: {label}',
-                                     xlabel='training tokens', ylabel=label,
-                                     references={'teacher': teacher[metric]})))
+    for metric, half, name, label in (('mean_accuracy', 'accuracy_ci95', 'accuracy.png', 'mean accuracy (6 tasks)'),
+                                      ('val_loss', 'val_loss_ci95', 'loss.png', 'held-out validation loss')):
+        if teacher[metric] is not None:
+            files.append(str(plot_panels(panel_curves(results, metric, half), work / name,
+                                         title=f'{results["source"]["name"]}: {label} (95% intervals)',
+                                         xlabel='training tokens', ylabel=label,
+                                         reference=('teacher', teacher[metric]))))
     return files
 
 
