@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dha_train.bench_settings import RealSettings
 from dha_train.bench_support import bench_source
+from dha_train.config import ConfigError
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
@@ -151,6 +152,30 @@ def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) 
             documents.append((text, {'path': str(path)}))
     random.Random(seed).shuffle(documents)
     return documents
+
+
+def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *, seed: int, tokens: int,
+                seq_len: int) -> Path:
+    """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``tokens`` (a stage of
+    ``runner``, reused when run again): a text some bench scores on and no stage trains on."""
+
+    def build(out: Path) -> dict:
+        documents = text_documents(files, seed=seed)
+        if not documents:
+            raise ConfigError(f'no text (.html, .txt, .md, .rst files of 2,000+ characters) in {where}')
+        corpus = out / 'corpus' / HELDOUT_DOMAIN
+        corpus.mkdir(parents=True, exist_ok=True)
+        with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
+            for text, meta in documents:
+                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+        manifest = prep_redpajama([out / 'corpus'], out / 'data', runner.source, seq_len=seq_len, val_tokens=tokens,
+                                  overwrite=True, domain=HELDOUT_DOMAIN, progress=False)
+        shutil.rmtree(out / 'corpus')
+        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents),
+                'val': manifest['domains'][HELDOUT_DOMAIN]['val']}
+
+    reads = {'where': where, 'files': [str(p) for p in files], 'tokens': tokens, 'seq_len': seq_len, 'seed': seed}
+    return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
 
 
 def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_digest: str) -> tuple[Path, Path, dict]:

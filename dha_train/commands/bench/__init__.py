@@ -20,7 +20,9 @@
   task by task: documents and tokens per second, and every document's scores checked equal;
 - ``mla-zero``: MLA conversions at 0 training tokens (DeepSeek layout, MLA class, mean-pool + refit and, from a
   local checkout, TransMLA's own converter) at a third and two thirds of SmolLM2-135M's cache, scored on a validation
-  text and two held-out texts that no conversion calibrated on, with piqa / arc_easy and per-layer errors.
+  text and two held-out texts that no conversion calibrated on, with piqa / arc_easy and per-layer errors;
+- ``fusion``: DHA's Fusion on ``real``'s source under a grid of fusion and multiplier learning rates: L_fusion per
+  batch, whether it reaches its threshold, and the baked model's loss on a validation text (issue 46).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dha_train.commands.bench.decode import SECTIONS as DECODE_SECTIONS
 from dha_train.commands.bench.decode import DecodeSettings, run_decode_bench
 from dha_train.commands.bench.eval_speed import TASKS as EVAL_SPEED_TASKS
 from dha_train.commands.bench.eval_speed import EvalSpeedSettings, run_eval_speed_bench
+from dha_train.commands.bench.fusion import FusionBenchSettings, run_fusion_bench
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
@@ -236,6 +239,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument('--source', default=zero_defaults.source)
     zero.add_argument('--seed', type=int, default=zero_defaults.seed)
     zero.set_defaults(func=run_mla_zero)
+    fusion = bench.add_parser('fusion', help="DHA's Fusion on bench real's source under several fusion / multiplier "
+                              'learning rates: L_fusion per batch, convergence, validation loss of the baked model')
+    fusion_defaults = FusionBenchSettings()
+    fusion.add_argument('--out', default=fusion_defaults.out, help='a `bench real` folder: its source and data are '
+                        'reused (default: bench_real); results in <out>/fusion')
+    fusion.add_argument('--kv-heads', dest='kv_heads', type=int, default=fusion_defaults.kv_heads,
+                        help='K/V heads per layer after Fusion (default 1: a third of SmolLM2\'s cache)')
+    fusion.add_argument('--batches', type=int, default=None, help='Fusion batches of each run (default: bench '
+                        'real\'s whole training budget); a run stops early at the threshold')
+    fusion.add_argument('--omega-lr', dest='omega_lr', type=float, nargs='+', default=list(fusion_defaults.omega_lr),
+                        help='fusion operator learning rates to run (default: %(default)s)')
+    fusion.add_argument('--lambda-lr', dest='lambda_lr', type=float, nargs='+',
+                        default=list(fusion_defaults.lambda_lr), help='multiplier ascent rates (default: %(default)s)')
+    fusion.add_argument('--validation', default=None, help='the validation text (default: vim\'s help files)')
+    fusion.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
+    fusion.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])
+    fusion.add_argument('--source', default=fusion_defaults.source)
+    fusion.add_argument('--seed', type=int, default=fusion_defaults.seed)
+    fusion.set_defaults(func=run_fusion)
     speed = bench.add_parser('eval-speed', help="evaluation throughput: lm-eval's HFLM against the context-sharing "
                              'scorer `eval` uses, per task, on one model (scores checked equal)')
     speed_defaults = EvalSpeedSettings()
@@ -326,6 +348,12 @@ def run_eval_speed(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     run_serve_bench(ServeSettings(**{name: getattr(args, name) for name in ServeSettings.__dataclass_fields__}))
+    return 0
+
+
+def run_fusion(args: argparse.Namespace) -> int:
+    run_fusion_bench(FusionBenchSettings(**{name: getattr(args, name) for name in FusionBenchSettings.__dataclass_fields__
+                                            if hasattr(args, name)}))
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -47,8 +46,8 @@ from dha_train.bench_runner import (
     prepare_data,
     say,
     source_folder,
-    text_documents,
     text_files,
+    text_folder,
 )
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.config import ConfigError
@@ -56,7 +55,6 @@ from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import RefitSettings, refit_folder
-from dha_train.data.prep import prep_redpajama
 from dha_train.evaluation import attention_output_errors, load_model, run_eval, validation_loss
 from dha_train.harness import headline
 from dha_train.model_folders import folder_digest
@@ -69,7 +67,6 @@ FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
 # chapter, and its index pages left out).
 VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
 DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
-TEXT_DOMAIN = 'book'  # prep's label for a single-source folder (it needs one of the RedPajama names)
 TRANSMLA_ROPE_DIM = 64  # its qk_mqa_dim default: one 64-dim shared RoPE key
 TRANSMLA_FREQFOLD = 4  # what its scripts pass for LLaMA-family models
 CALIBRATION_BATCH = 8  # rows per calibration batch, for every row (TransMLA's loader included)
@@ -98,32 +95,6 @@ class MlaZeroSettings:
     val_tokens: int | None = None
     include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
     isolate_stages: bool = True
-
-
-# --- texts --------------------------------------------------------------------------------------------------------
-def _text_folder(runner: StageRunner, name: str, where: str, files: list[Path], settings: MlaZeroSettings) -> Path:
-    """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``text_tokens``."""
-
-    def build(out: Path) -> dict:
-        documents = text_documents(files, seed=settings.seed)
-        if not documents:
-            raise ConfigError(f'bench mla-zero: no text (.html, .txt, .md, .rst files of 2,000+ characters) in '
-                              f'{where}')
-        corpus = out / 'corpus' / TEXT_DOMAIN
-        corpus.mkdir(parents=True, exist_ok=True)
-        with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
-            for text, meta in documents:
-                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
-        manifest = prep_redpajama([out / 'corpus'], out / 'data', runner.source, seq_len=settings.text_seq_len,
-                                  val_tokens=settings.text_tokens, overwrite=True, domain=TEXT_DOMAIN,
-                                  progress=False)
-        shutil.rmtree(out / 'corpus')
-        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents),
-                'val': manifest['domains'][TEXT_DOMAIN]['val']}
-
-    reads = {'where': where, 'files': [str(p) for p in files], 'tokens': settings.text_tokens,
-             'seq_len': settings.text_seq_len, 'seed': settings.seed}
-    return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
 
 
 # --- TransMLA, run from its own checkout ----------------------------------------------------------------------------
@@ -219,7 +190,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 raise ConfigError(f'bench mla-zero: --{name.split("_")[-1]} {given}: no such folder or files')
             notes[name] = f'left out: nothing at {default} ({what}; give it with --{name.split("_")[-1]})'
             continue
-        texts[name] = _text_folder(runner, name.replace('_', '-'), given or default, files, settings)
+        texts[name] = text_folder(runner, name.replace('_', '-'), given or default, files, seed=settings.seed,
+                                  tokens=settings.text_tokens, seq_len=settings.text_seq_len)
         notes[name] = f'{given or default} ({what})'
 
     config = model_config(source)

@@ -1,0 +1,165 @@
+"""`dha-train bench fusion`: DHA's Fusion on `bench real`'s source under several optimiser settings: does L_fusion
+reach its threshold within the bench's Fusion budget, and at what cost on a validation text.
+
+The question (issue 46): at a third of SmolLM2-135M's cache, `bench real`'s Fusion (the paper's fusion lr, 0.05)
+ends its 16 batches at L_fusion 0.194, far from the 1e-3 at which Fusion stops. Each row here is one Fusion run from
+the same map, `yamls/real/fusion.yaml` with `bench real`'s batch, sequence length, data and seed, for ``--batches``
+batches (stopping early at the threshold, as in `bench real`), at one fusion lr (``--omega-lr``) and one multiplier
+ascent rate (``--lambda-lr``). The source, training data and held-out text are `bench real`'s (same ``--out``,
+reused). Settings are compared on a validation text only (vim's help files, as `bench mla-zero`): the loss of the
+baked model, with its 95% interval over sequences and its paired difference from the first setting given. The
+held-out text's loss is recorded beside it for the setting a recipe then takes, never used to choose.
+
+Rows: the setting, L_fusion after every batch, the batch at which it fell below the threshold (or none), and the
+baked model's losses. Writes ``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder, text_files, text_folder
+from dha_train.bench_settings import RealSettings, resolve_settings
+from dha_train.bench_support import bench_say
+from dha_train.config import ConfigError
+from dha_train.evaluation import load_model, sequence_losses
+from dha_train.model_folders import folder_digest
+from dha_train.models.head_map import HeadMap
+from dha_train.ops.intervals import mean_of_means_interval, paired_difference
+
+VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'  # the validation text of `bench mla-zero`, chosen on there too
+
+
+@dataclass
+class FusionBenchSettings:
+    out: str = 'bench_real'
+    kv_heads: int = 1  # K/V heads per layer after Fusion: 1 is a third of SmolLM2's cache, the only map
+    batches: int | None = None  # default: bench real's whole training budget in batches
+    omega_lr: Sequence[float] = (0.05, 0.1, 0.2, 0.4)
+    lambda_lr: Sequence[float] = (20.0,)
+    validation: str | None = None  # a folder or glob of text files (default: vim's help files)
+    text_tokens: int = 16384
+    results: str | None = None
+    source: str = 'smollm2-135m'
+    device: str = 'auto'
+    seed: int = 17
+    train_data: str | None = None
+    seq_len: int | None = None
+    val_tokens: int | None = None
+    isolate_stages: bool = True
+
+
+def _losses(folder: str | Path, data: Path, device: str) -> dict[str, list[float]]:
+    model, tokenizer = load_model(folder, device=device)
+    return sequence_losses(model, tokenizer, data, device=device)
+
+
+def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
+    settings = settings or FusionBenchSettings()
+    if not settings.omega_lr or not settings.lambda_lr or min(settings.omega_lr) <= 0 or min(settings.lambda_lr) < 0:
+        raise ConfigError('bench fusion: --omega-lr needs values > 0 and --lambda-lr values >= 0')
+    if settings.batches is not None and settings.batches < 1:
+        raise ConfigError(f'bench fusion: --batches must be >= 1, got {settings.batches}')
+    real = resolve_settings(RealSettings(out=settings.out, device=settings.device, source=settings.source,
+                                         seed=settings.seed, train_data=settings.train_data, seq_len=settings.seq_len,
+                                         val_tokens=settings.val_tokens, isolate_stages=settings.isolate_stages))
+    work = Path(real.out).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    source = source_folder(work, real.source)
+    digest = folder_digest(source)
+    train_data, heldout, data = prepare_data(work, source, real, digest)
+    runner = StageRunner(real, work, source, digest, train_data, heldout)
+    files = text_files(settings.validation or VALIDATION_GLOB)
+    if not files:
+        raise ConfigError(f'bench fusion: no validation text at {settings.validation or VALIDATION_GLOB}')
+    validation = text_folder(runner, 'validation', settings.validation or VALIDATION_GLOB, files, seed=settings.seed,
+                             tokens=settings.text_tokens, seq_len=real.seq_len)
+    source_heads = runner.source_map.layers[0].num_key_heads
+    if not 1 <= settings.kv_heads < source_heads or source_heads % settings.kv_heads:
+        raise ConfigError(f'bench fusion: --kv-heads {settings.kv_heads} must divide the source\'s {source_heads} '
+                          'K/V heads into equal groups of two or more (Fusion fuses equal groups)')
+    runs = work / 'fusion'
+    head_map = HeadMap.pooled(runner.source_map, settings.kv_heads)
+    runs.mkdir(parents=True, exist_ok=True)
+    head_map.save(runs / f'head_map_kv{settings.kv_heads}.json')
+    batches = settings.batches or runner.batches
+    texts = {'validation': validation, 'heldout': heldout}
+    results = {'command': command_line(), 'settings': {**asdict(settings), 'batches': batches, 'batch': real.batch,
+                                                       'seq_len': real.seq_len},
+               'source': {'folder': str(source), 'sha256': digest}, 'data': data,
+               'texts': {'validation': settings.validation or VALIDATION_GLOB, 'heldout': data['heldout']['source']},
+               'rows': []}
+    sequences = {}
+
+    def fusion_record(trainer, out: Path) -> dict:
+        from dha_train.algorithms.head_fusion import HeadFusion
+
+        state = HeadFusion.of(trainer.state, 'bench fusion')
+        return {'history': [entry['fusion_loss'] for entry in state.history], 'converged_at': state.converged_at}
+
+    for omega_lr in settings.omega_lr:
+        for lambda_lr in settings.lambda_lr:
+            label = f'omega lr {omega_lr:g}, lambda lr {lambda_lr:g}'
+            name = re.sub(r'[^a-z0-9]+', '-', f'fusion kv{settings.kv_heads} {batches} {label}'.lower()).strip('-')
+            fused = runner.train(name, 'real/fusion.yaml', batches, then=fusion_record, model_path=source,
+                                 head_map=runs / f'head_map_kv{settings.kv_heads}.json',
+                                 margin_steps=max(1, batches // 4), omega_lr=omega_lr, lambda_lr=lambda_lr)
+
+            def score(out: Path, folder=fused['hf_folder']) -> dict:
+                scored = {text: _losses(folder, root, real.device) for text, root in texts.items()}
+                (out / 'sequence_losses.json').write_text(json.dumps(scored))
+                return {'file': str(out / 'sequence_losses.json')}
+
+            scored = runner.stage(runs / 'eval', name, score, model=fused['hf_folder'],
+                                  texts={k: str(v) for k, v in texts.items()})
+            sequences[label] = json.loads(Path(scored['file']).read_text())
+            row = {'label': label, 'omega_lr': omega_lr, 'lambda_lr': lambda_lr, 'batches_run': len(fused['history']),
+                   'converged_at': fused['converged_at'], 'fusion_loss': fused['history'],
+                   'final_fusion_loss': fused['history'][-1] if fused['history'] else None,
+                   'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds']}
+            for text in texts:
+                row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(sequences[label][text])
+            first = next(iter(sequences))
+            if label != first:
+                row['vs_first'] = {text: list(paired_difference(sequences[first][text], sequences[label][text],
+                                                                seed=settings.seed)) for text in texts}
+            results['rows'].append(row)
+            bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
+                f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f}')
+    results['plots'] = [str(plot_fusion(results, runs / 'fusion.png'))]
+    text = json.dumps(results, indent=2, default=str)
+    (runs / 'results.json').write_text(text)
+    if settings.results:
+        Path(settings.results).write_text(text)
+    print(markdown_table(results))
+    return results
+
+
+def plot_fusion(results: dict, out: Path) -> Path:
+    from dha_train.plots import plot_curves
+
+    curves = {row['label']: list(enumerate(row['fusion_loss'], start=1)) for row in results['rows']}
+    threshold = 1e-3
+    return plot_curves(curves, out, title='DHA Fusion: L_fusion per batch', xlabel='batch', ylabel='L_fusion',
+                       references={'threshold': threshold}, log_y=True)
+
+
+def markdown_table(results: dict) -> str:
+    """One line per setting: where Fusion got to, and the baked model's validation and held-out loss (± 95%), with
+    the paired difference from the first setting on the validation text (`*`: its interval excludes 0)."""
+    lines = ['| setting | batches run | converged at batch | final L_fusion | validation loss | vs first | '
+             'held-out loss |', '| --- | --- | --- | --- | --- | --- | --- |']
+    for row in results['rows']:
+        versus = '-'
+        if row.get('vs_first'):
+            value, low, high = row['vs_first']['validation']
+            versus = f'{value:+.3f} [{low:+.3f}, {high:+.3f}]' + ('*' if low > 0 or high < 0 else '')
+        converged = row['converged_at'] if row['converged_at'] is not None else 'no'
+        lines.append(f'| {row["label"]} | {row["batches_run"]} | {converged} | {row["final_fusion_loss"]:.4f} | '
+                     f'{row["validation_loss"]:.3f} ± {row["validation_ci95"]:.3f} | {versus} | '
+                     f'{row["heldout_loss"]:.3f} ± {row["heldout_ci95"]:.3f} |')
+    return '\n'.join(lines)

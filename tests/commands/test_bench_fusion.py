@@ -1,0 +1,58 @@
+"""`dha-train bench fusion` on a tiny GQA LLaMA (9 query heads, 3 K/V heads, as SmolLM2): each setting is one Fusion
+run from the same pooled map, recorded with its L_fusion per batch and the baked model's losses with intervals."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dha_train.commands.bench.fusion import FusionBenchSettings, markdown_table, run_fusion_bench
+from dha_train.config import ConfigError
+from helpers import SEQ_LEN
+
+
+@pytest.mark.slow
+def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusion_got(
+        tmp_path, tokenizer_dir, data_root):
+    config = LlamaConfig(vocab_size=384, hidden_size=9 * 8, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / 'gqa')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'gqa')
+    (tmp_path / 'validation').mkdir()
+    for index in range(3):
+        (tmp_path / 'validation' / f'{index}.txt').write_text(f'validation text number {index}. ' * 400)
+    settings = FusionBenchSettings(
+        out=str(tmp_path / 'bench'), batches=4, omega_lr=(0.01, 0.4), lambda_lr=(20.0,),
+        validation=str(tmp_path / 'validation'), text_tokens=4 * SEQ_LEN, source=str(tmp_path / 'gqa'),
+        device='cpu', train_data=str(data_root), seq_len=SEQ_LEN, val_tokens=4 * SEQ_LEN, isolate_stages=False,
+        results=str(tmp_path / 'fusion.json'))
+    results = run_fusion_bench(settings)
+    slow, fast = results['rows']
+    for row in (slow, fast):
+        # one group of 3 K/V heads a layer: L_fusion starts at 2 / g = 2/3 (every query head reads its own head)
+        assert row['fusion_loss'][0] == pytest.approx(2 / 3, abs=1e-6)
+        assert row['batches_run'] == len(row['fusion_loss']) <= 4
+        assert all(math.isfinite(row[key]) and row[key.replace('_loss', '_ci95')] > 0
+                   for key in ('validation_loss', 'heldout_loss'))
+    # the setting reaches the algorithm: the same map and batches, another fusion lr, another path
+    assert fast['fusion_loss'][1:] != slow['fusion_loss'][1:]
+    assert all(row['converged_at'] is None or row['final_fusion_loss'] < 1e-3 for row in (slow, fast))
+    value, low, high = fast['vs_first']['validation']
+    assert low <= value <= high and 'vs_first' not in slow
+    table = markdown_table(results)
+    assert len(table.splitlines()) == 4 and 'omega lr 0.4' in table
+    assert (tmp_path / 'fusion.json').read_text() == (tmp_path / 'bench' / 'fusion' / 'results.json').read_text()
+    # run again: every Fusion and its scoring are reused, with the same figures
+    again = run_fusion_bench(settings)
+    assert [row['fusion_loss'] for row in again['rows']] == [row['fusion_loss'] for row in results['rows']]
+    assert [row['validation_loss'] for row in again['rows']] == [row['validation_loss'] for row in results['rows']]
+    with pytest.raises(ConfigError, match='--kv-heads 2'):
+        run_fusion_bench(replace(settings, kv_heads=2))
+    with pytest.raises(ConfigError, match='--omega-lr'):
+        run_fusion_bench(replace(settings, omega_lr=(0.0,)))
