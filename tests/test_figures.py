@@ -271,16 +271,28 @@ def test_an_edited_serving_figure_fails():
     assert check_serving(edited, results)
 
 
+# bench -> (the page that prints its table, its results file, the module whose markdown_table makes the table)
+BENCH_TABLES = {'mla-zero': ('docs/benchmarks/quality.md', 'mla_zero.json', 'dha_train.commands.bench.mla_zero'),
+                'eval-speed': ('docs/benchmarks/cost.md', 'bench_eval_speed.json', 'dha_train.commands.bench.eval_speed'),
+                'fusion': ('docs/methods/dha.md', 'bench_fusion.json', 'dha_train.commands.bench.fusion')}
+
+
+def bench_table_problems(bench: str, markdown: str) -> list[str]:
+    """``bench``'s table, made from its results file in docs/results/, against its page's, whole and both ways."""
+    import importlib
+
+    page, results_file, module = BENCH_TABLES[bench]
+    results = json.loads((RESULTS / results_file).read_text())
+    return table_problems(markdown, importlib.import_module(module).markdown_table(results), page)
+
+
+@pytest.mark.parametrize('bench', list(BENCH_TABLES))
+def test_each_bench_table_is_the_bench_output(bench):
+    assert bench_table_problems(bench, (REPO / BENCH_TABLES[bench][0]).read_text()) == []
+
+
 def mla_zero_problems(markdown: str) -> list[str]:
-    """`bench mla-zero`'s table (docs/results/mla_zero.json) against the quality page's, whole and both ways."""
-    from dha_train.commands.bench.mla_zero import markdown_table
-
-    results = json.loads((RESULTS / 'mla_zero.json').read_text())
-    return table_problems(markdown, markdown_table(results), 'docs/benchmarks/quality.md')
-
-
-def test_the_mla_zero_table_is_the_bench_output():
-    assert mla_zero_problems((REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()) == []
+    return bench_table_problems('mla-zero', markdown)
 
 
 def test_a_row_added_to_or_dropped_from_the_mla_zero_table_fails():
@@ -290,25 +302,18 @@ def test_a_row_added_to_or_dropped_from_the_mla_zero_table_fails():
     assert mla_zero_problems(markdown.replace(row, row + '\n' + row.replace('TransMLA', 'TransMLA 32-dim'), 1)) != []
 
 
-def test_an_edited_mla_zero_figure_fails():
-    markdown = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
-    row = next(line for line in markdown.splitlines() if line.startswith('| TransMLA kv1 |'))
+@pytest.mark.parametrize('bench, row_start, cell, decimals', [('mla-zero', '| TransMLA kv1 |', 2, 3),
+                                                               ('fusion', '| omega lr 0.05, lambda lr 20 |', 3, 4)])
+def test_an_edited_bench_table_figure_fails(bench, row_start, cell, decimals):
+    markdown = (REPO / BENCH_TABLES[bench][0]).read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith(row_start))
     cells = row.split(' | ')
-    cells[2] = f'{float(cells[2]) + 0.001:.3f}'
-    assert mla_zero_problems(markdown.replace(row, ' | '.join(cells))) != []
+    cells[cell] = f'{float(cells[cell]) + 10 ** -decimals:.{decimals}f}'
+    assert bench_table_problems(bench, markdown.replace(row, ' | '.join(cells))) != []
 
 
 def eval_speed_problems(markdown: str) -> list[str]:
-    """`bench eval-speed`'s table (docs/results/bench_eval_speed.json) against the cost page's, whole and both
-    ways."""
-    from dha_train.commands.bench.eval_speed import markdown_table
-
-    results = json.loads((RESULTS / 'bench_eval_speed.json').read_text())
-    return table_problems(markdown, markdown_table(results), 'docs/benchmarks/cost.md')
-
-
-def test_the_eval_speed_table_is_the_bench_output():
-    assert eval_speed_problems((REPO / 'docs' / 'benchmarks' / 'cost.md').read_text()) == []
+    return bench_table_problems('eval-speed', markdown)
 
 
 def test_an_edited_eval_speed_figure_fails():
@@ -348,6 +353,8 @@ QUOTING_SECTIONS = {
                       '5.76': 'the refit study', '4.2931': 'bench conversion', '4.2944': 'bench conversion',
                       '0.472': "95% of the teacher's accuracy", '68.75': 'MHA2MLA (paper)', '96.8': 'MHA2MLA (paper)',
                       '0.25': 'MHA2MLA (paper)'}},
+    ('docs/methods/dha.md', "## Fusion at a third of SmolLM2's cache"): {
+        'files': ('bench_fusion.json', 'bench_real.json'), 'elsewhere': {}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
 }
