@@ -154,6 +154,21 @@ def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) 
     return documents
 
 
+def tokenize_documents(documents: list[tuple[str, dict]], out: Path, tokenizer: Path, name: str, *, seq_len: int,
+                       val_tokens: int) -> dict:
+    """``documents`` as one JSONL file under the held-out domain label, tokenized into ``out / 'data'`` with a val
+    split of ``val_tokens``; the JSONL is removed after. Returns that domain's manifest."""
+    corpus = out / 'corpus' / HELDOUT_DOMAIN
+    corpus.mkdir(parents=True, exist_ok=True)
+    with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
+        for text, meta in documents:
+            handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+    manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=seq_len, val_tokens=val_tokens,
+                              overwrite=True, domain=HELDOUT_DOMAIN, progress=False)
+    shutil.rmtree(out / 'corpus')
+    return manifest['domains'][HELDOUT_DOMAIN]
+
+
 def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *, seed: int, tokens: int,
                 seq_len: int) -> Path:
     """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``tokens`` (a stage of
@@ -163,16 +178,8 @@ def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *
         documents = text_documents(files, seed=seed)
         if not documents:
             raise ConfigError(f'no text (.html, .txt, .md, .rst files of 2,000+ characters) in {where}')
-        corpus = out / 'corpus' / HELDOUT_DOMAIN
-        corpus.mkdir(parents=True, exist_ok=True)
-        with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
-            for text, meta in documents:
-                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
-        manifest = prep_redpajama([out / 'corpus'], out / 'data', runner.source, seq_len=seq_len, val_tokens=tokens,
-                                  overwrite=True, domain=HELDOUT_DOMAIN, progress=False)
-        shutil.rmtree(out / 'corpus')
-        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents),
-                'val': manifest['domains'][HELDOUT_DOMAIN]['val']}
+        domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens)
+        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val']}
 
     reads = {'where': where, 'files': [str(p) for p in files], 'tokens': tokens, 'seq_len': seq_len, 'seed': seed}
     return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
@@ -198,16 +205,8 @@ def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_dig
         documents = heldout_documents(max_bytes=max(8 * settings.val_tokens, 400_000))
         if not documents:
             raise RuntimeError(f'bench real: no held-out text found under {HELDOUT_SOURCE}')
-        corpus = out / 'corpus' / HELDOUT_DOMAIN
-        corpus.mkdir(parents=True, exist_ok=True)
-        with (corpus / f'{HELDOUT_DOMAIN}-heldout.jsonl').open('w', encoding='utf-8') as handle:
-            for text, meta in documents:
-                handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
-        manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=settings.seq_len,
-                                  val_tokens=settings.val_tokens, overwrite=True, domain=HELDOUT_DOMAIN,
-                                  progress=False)
-        shutil.rmtree(out / 'corpus')
-        val = manifest['domains'][HELDOUT_DOMAIN]
+        val = tokenize_documents(documents, out, tokenizer, f'{HELDOUT_DOMAIN}-heldout', seq_len=settings.seq_len,
+                                 val_tokens=settings.val_tokens)
         return {'root': str(out / 'data'), 'documents': len(documents), 'domain_label': HELDOUT_DOMAIN,
                 'split_evaluated': 'val', 'manifest': val,
                 'source': f'{HELDOUT_SOURCE} text files (READMEs, NEWS, changelogs, .txt/.md/.rst; no licences, '

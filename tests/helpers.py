@@ -349,3 +349,15 @@ def set_grouped_random_omega(projections, seed: int = 5) -> None:
                 for row in projection.members.tolist():
                     omega[row] = omega[row].mean(dim=0)
                 projection.omega.copy_(omega)
+
+
+def save_tiny_smollm2_shape(folder: Path, tokenizer_dir: Path) -> Path:
+    """A tiny GQA LLaMA shaped as SmolLM2 (9 query heads over 3 K/V heads, 2 layers), saved with the test tokenizer:
+    the source the bench tests run on."""
+    config = LlamaConfig(vocab_size=384, hidden_size=9 * 8, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder

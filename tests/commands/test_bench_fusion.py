@@ -7,23 +7,16 @@ import math
 from dataclasses import replace
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.commands.bench.fusion import FusionBenchSettings, markdown_table, run_fusion_bench
 from dha_train.config import ConfigError
-from helpers import SEQ_LEN
+from helpers import SEQ_LEN, save_tiny_smollm2_shape
 
 
 @pytest.mark.slow
 def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusion_got(
         tmp_path, tokenizer_dir, data_root):
-    config = LlamaConfig(vocab_size=384, hidden_size=9 * 8, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / 'gqa')
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'gqa')
+    save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
     (tmp_path / 'validation').mkdir()
     for index in range(3):
         (tmp_path / 'validation' / f'{index}.txt').write_text(f'validation text number {index}. ' * 400)

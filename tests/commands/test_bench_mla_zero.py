@@ -18,7 +18,7 @@ from dha_train.commands.bench.mla_zero import MlaZeroSettings, calibration_seque
 from dha_train.config import ConfigError
 from dha_train.evaluation import attention_output_errors
 from dha_train.harness import LOCAL_TASK, build_local_task
-from helpers import SEQ_LEN, write_redpajama_jsonl
+from helpers import SEQ_LEN, save_tiny_smollm2_shape, write_redpajama_jsonl
 
 
 def _tiny(layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, vocab: int = 96) -> LlamaForCausalLM:
@@ -107,12 +107,7 @@ def test_a_folder_without_transmlas_converter_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, tokenizer_dir, data_root):
-    config = LlamaConfig(vocab_size=384, hidden_size=9 * 8, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / 'gqa')
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'gqa')
+    save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
     raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=120, seed=4)
     task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=1, max_words=60)
     for name in ('validation', 'book'):
