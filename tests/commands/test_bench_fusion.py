@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     for index in range(3):
         (tmp_path / 'validation' / f'{index}.txt').write_text(f'validation text number {index}. ' * 400)
     settings = FusionBenchSettings(
-        out=str(tmp_path / 'bench'), batches=4, omega_lr=(0.01, 0.4), lambda_lr=(20.0,),
+        out=str(tmp_path / 'bench'), batches=(4,), omega_lr=(0.01, 0.4), lambda_lr=(20.0,), margin_steps=(0,),
         validation=str(tmp_path / 'validation'), text_tokens=4 * SEQ_LEN, source=str(tmp_path / 'gqa'),
         device='cpu', train_data=str(data_root), seq_len=SEQ_LEN, val_tokens=4 * SEQ_LEN, isolate_stages=False,
         results=str(tmp_path / 'fusion.json'))
@@ -39,13 +40,25 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     value, low, high = fast['vs_first']['validation']
     assert low <= value <= high and 'vs_first' not in slow
     table = markdown_table(results)
-    assert len(table.splitlines()) == 4 and 'omega lr 0.4' in table
+    assert len(table.splitlines()) == 4 and '4 batches, omega lr 0.4, lambda lr 20, margin 0' in table
     assert (tmp_path / 'fusion.json').read_text() == (tmp_path / 'bench' / 'fusion' / 'results.json').read_text()
     # run again: every Fusion and its scoring are reused, with the same figures
     again = run_fusion_bench(settings)
     assert [row['fusion_loss'] for row in again['rows']] == [row['fusion_loss'] for row in results['rows']]
     assert [row['validation_loss'] for row in again['rows']] == [row['validation_loss'] for row in results['rows']]
+    # a budget curve at bench real's margin (a quarter of the run, at least 1), each budget its own run
+    curve = run_fusion_bench(replace(settings, batches=(2, 4), omega_lr=(0.4,), margin_steps=None, results=None))
+    short, long = curve['rows']
+    assert (short['batches'], long['batches']) == (2, 4) and [row['margin_steps'] for row in curve['rows']] == [1, 1]
+    # lambda is 0 in the first batch under either margin; after it, margin 0 constrains (lambda 20 x 2/3) and a
+    # margin of 1 does not (its slack is 1 > 2/3), so the two 4-batch paths part at the third batch
+    assert long['fusion_loss'][:2] == fast['fusion_loss'][:2] and long['fusion_loss'][2] != fast['fusion_loss'][2]
+    assert short['batches_run'] <= 2 and short['tokens'] == (
+        short['batches_run'] * curve['settings']['batch'] * curve['settings']['seq_len'])
+    assert [Path(plot).name for plot in curve['plots']] == ['fusion.png', 'fusion_budgets.png']
     with pytest.raises(ConfigError, match='--kv-heads 2'):
         run_fusion_bench(replace(settings, kv_heads=2))
     with pytest.raises(ConfigError, match='--omega-lr'):
         run_fusion_bench(replace(settings, omega_lr=(0.0,)))
+    with pytest.raises(ConfigError, match='--margin-steps'):
+        run_fusion_bench(replace(settings, margin_steps=(-1,)))

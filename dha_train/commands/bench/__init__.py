@@ -246,12 +246,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         'reused (default: bench_real); results in <out>/fusion')
     fusion.add_argument('--kv-heads', dest='kv_heads', type=int, default=fusion_defaults.kv_heads,
                         help='K/V heads per layer after Fusion (default 1: a third of SmolLM2\'s cache)')
-    fusion.add_argument('--batches', type=int, default=None, help='Fusion batches of each run (default: bench '
-                        'real\'s whole training budget); a run stops early at the threshold')
+    fusion.add_argument('--batches', type=int, nargs='+', default=None, help='Fusion budgets in batches, each its '
+                        'own run (default: bench real\'s whole training budget); a run stops early at the threshold')
     fusion.add_argument('--omega-lr', dest='omega_lr', type=float, nargs='+', default=list(fusion_defaults.omega_lr),
                         help='fusion operator learning rates to run (default: %(default)s)')
     fusion.add_argument('--lambda-lr', dest='lambda_lr', type=float, nargs='+',
                         default=list(fusion_defaults.lambda_lr), help='multiplier ascent rates (default: %(default)s)')
+    fusion.add_argument('--margin-steps', dest='margin_steps', type=int, nargs='+', default=None,
+                        help='margin warm-up steps (Eq. 8\'s k; 0: the constraint holds from the first batch); '
+                        'default: bench real\'s, a quarter of the run')
     fusion.add_argument('--validation', default=None, help='the validation text (default: vim\'s help files)')
     fusion.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
     fusion.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])

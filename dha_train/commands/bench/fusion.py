@@ -4,11 +4,15 @@ reach its threshold within the bench's Fusion budget, and at what cost on a vali
 The question (issue 46): at a third of SmolLM2-135M's cache, `bench real`'s Fusion (the paper's fusion lr, 0.05)
 ends its 16 batches at L_fusion 0.194, far from the 1e-3 at which Fusion stops. Each row here is one Fusion run from
 the same map, `yamls/real/fusion.yaml` with `bench real`'s batch, sequence length, data and seed, for ``--batches``
-batches (stopping early at the threshold, as in `bench real`), at one fusion lr (``--omega-lr``) and one multiplier
-ascent rate (``--lambda-lr``). The source, training data and held-out text are `bench real`'s (same ``--out``,
+batches (stopping early at the threshold, as in `bench real`), at one fusion lr (``--omega-lr``), one multiplier
+ascent rate (``--lambda-lr``) and one margin warm-up (``--margin-steps``, Eq. 8's k). The source, training data and held-out text are `bench real`'s (same ``--out``,
 reused). Settings are compared on a validation text only (vim's help files, as `bench mla-zero`): the loss of the
 baked model, with its 95% interval over sequences and its paired difference from the first setting given. The
 held-out text's loss is recorded beside it for the setting a recipe then takes, never used to choose.
+
+Every combination of ``--batches`` x ``--omega-lr`` x ``--lambda-lr`` x ``--margin-steps`` is a run; several
+``--batches`` give the budget curve (each budget its own run, since the cosine schedule spans the run), and a run
+already made (same source, data, recipe and setting) is reused, so a curve can extend a grid's row.
 
 Rows: the setting, L_fusion after every batch, the batch at which it fell below the threshold (or none), and the
 baked model's losses. Writes ``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
@@ -38,9 +42,10 @@ VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'  # the validation text of `ben
 class FusionBenchSettings:
     out: str = 'bench_real'
     kv_heads: int = 1  # K/V heads per layer after Fusion: 1 is a third of SmolLM2's cache, the only map
-    batches: int | None = None  # default: bench real's whole training budget in batches
+    batches: Sequence[int] | None = None  # Fusion budgets; default: bench real's whole training budget in batches
     omega_lr: Sequence[float] = (0.05, 0.1, 0.2, 0.4)
     lambda_lr: Sequence[float] = (20.0,)
+    margin_steps: Sequence[int] | None = None  # Eq. 8's margin warm-up k; default: bench real's, a quarter of the run
     validation: str | None = None  # a folder or glob of text files (default: vim's help files)
     text_tokens: int = 16384
     results: str | None = None
@@ -62,8 +67,10 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
     settings = settings or FusionBenchSettings()
     if not settings.omega_lr or not settings.lambda_lr or min(settings.omega_lr) <= 0 or min(settings.lambda_lr) < 0:
         raise ConfigError('bench fusion: --omega-lr needs values > 0 and --lambda-lr values >= 0')
-    if settings.batches is not None and settings.batches < 1:
-        raise ConfigError(f'bench fusion: --batches must be >= 1, got {settings.batches}')
+    if settings.batches is not None and (not settings.batches or min(settings.batches) < 1):
+        raise ConfigError(f'bench fusion: --batches needs values >= 1, got {list(settings.batches)}')
+    if settings.margin_steps is not None and (not settings.margin_steps or min(settings.margin_steps) < 0):
+        raise ConfigError(f'bench fusion: --margin-steps needs values >= 0, got {list(settings.margin_steps)}')
     real = resolve_settings(RealSettings(out=settings.out, device=settings.device, source=settings.source,
                                          seed=settings.seed, train_data=settings.train_data, seq_len=settings.seq_len,
                                          val_tokens=settings.val_tokens, isolate_stages=settings.isolate_stages))
@@ -86,9 +93,9 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
     head_map = HeadMap.pooled(runner.source_map, settings.kv_heads)
     runs.mkdir(parents=True, exist_ok=True)
     head_map.save(runs / f'head_map_kv{settings.kv_heads}.json')
-    batches = settings.batches or runner.batches
+    budgets = list(settings.batches or [runner.batches])
     texts = {'validation': validation, 'heldout': heldout}
-    results = {'command': command_line(), 'settings': {**asdict(settings), 'batches': batches, 'batch': real.batch,
+    results = {'command': command_line(), 'settings': {**asdict(settings), 'batches': budgets, 'batch': real.batch,
                                                        'seq_len': real.seq_len},
                'source': {'folder': str(source), 'sha256': digest}, 'data': data,
                'texts': {'validation': settings.validation or VALIDATION_GLOB, 'heldout': data['heldout']['source']},
@@ -101,42 +108,52 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
         state = HeadFusion.of(trainer.state, 'bench fusion')
         return {'history': [entry['fusion_loss'] for entry in state.history], 'converged_at': state.converged_at}
 
-    for omega_lr in settings.omega_lr:
-        for lambda_lr in settings.lambda_lr:
-            label = f'omega lr {omega_lr:g}, lambda lr {lambda_lr:g}'
-            name = re.sub(r'[^a-z0-9]+', '-', f'fusion kv{settings.kv_heads} {batches} {label}'.lower()).strip('-')
-            fused = runner.train(name, 'real/fusion.yaml', batches, then=fusion_record, model_path=source,
-                                 head_map=runs / f'head_map_kv{settings.kv_heads}.json',
-                                 margin_steps=max(1, batches // 4), omega_lr=omega_lr, lambda_lr=lambda_lr)
+    for batches, omega_lr, lambda_lr, margin in grid(settings, budgets):
+        label = f'{batches} batches, omega lr {omega_lr:g}, lambda lr {lambda_lr:g}, margin {margin}'
+        name = re.sub(r'[^a-z0-9]+', '-', f'fusion kv{settings.kv_heads} {label}'.lower()).strip('-')
+        fused = runner.train(name, 'real/fusion.yaml', batches, then=fusion_record, model_path=source,
+                             head_map=runs / f'head_map_kv{settings.kv_heads}.json',
+                             margin_steps=margin, omega_lr=omega_lr, lambda_lr=lambda_lr)
 
-            def score(out: Path, folder=fused['hf_folder']) -> dict:
-                scored = {text: _losses(folder, root, real.device) for text, root in texts.items()}
-                (out / 'sequence_losses.json').write_text(json.dumps(scored))
-                return {'file': str(out / 'sequence_losses.json')}
+        def score(out: Path, folder=fused['hf_folder']) -> dict:
+            scored = {text: _losses(folder, root, real.device) for text, root in texts.items()}
+            (out / 'sequence_losses.json').write_text(json.dumps(scored))
+            return {'file': str(out / 'sequence_losses.json')}
 
-            scored = runner.stage(runs / 'eval', name, score, model=fused['hf_folder'],
-                                  texts={k: str(v) for k, v in texts.items()})
-            sequences[label] = json.loads(Path(scored['file']).read_text())
-            row = {'label': label, 'omega_lr': omega_lr, 'lambda_lr': lambda_lr, 'batches_run': len(fused['history']),
-                   'converged_at': fused['converged_at'], 'fusion_loss': fused['history'],
-                   'final_fusion_loss': fused['history'][-1] if fused['history'] else None,
-                   'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds']}
-            for text in texts:
-                row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(sequences[label][text])
-            first = next(iter(sequences))
-            if label != first:
-                row['vs_first'] = {text: list(paired_difference(sequences[first][text], sequences[label][text],
-                                                                seed=settings.seed)) for text in texts}
-            results['rows'].append(row)
-            bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
-                f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f}')
+        scored = runner.stage(runs / 'eval', name, score, model=fused['hf_folder'],
+                              texts={k: str(v) for k, v in texts.items()})
+        sequences[label] = json.loads(Path(scored['file']).read_text())
+        row = {'label': label, 'batches': batches, 'omega_lr': omega_lr, 'lambda_lr': lambda_lr,
+               'margin_steps': margin, 'batches_run': len(fused['history']),
+               'converged_at': fused['converged_at'], 'fusion_loss': fused['history'],
+               'final_fusion_loss': fused['history'][-1] if fused['history'] else None,
+               'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds']}
+        for text in texts:
+            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(sequences[label][text])
+        first = next(iter(sequences))
+        if label != first:
+            row['vs_first'] = {text: list(paired_difference(sequences[first][text], sequences[label][text],
+                                                            seed=settings.seed)) for text in texts}
+        results['rows'].append(row)
+        bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
+            f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f}')
     results['plots'] = [str(plot_fusion(results, runs / 'fusion.png'))]
+    if len(budgets) > 1:
+        results['plots'].append(str(plot_budgets(results, runs / 'fusion_budgets.png')))
     text = json.dumps(results, indent=2, default=str)
     (runs / 'results.json').write_text(text)
     if settings.results:
         Path(settings.results).write_text(text)
     print(markdown_table(results))
     return results
+
+
+def grid(settings: FusionBenchSettings, budgets: Sequence[int]) -> list[tuple[int, float, float, int]]:
+    """(batches, omega lr, lambda lr, margin steps) of every run, budgets outermost; the margin default is bench
+    real's, a quarter of the run (at least 1)."""
+    return [(batches, omega_lr, lambda_lr, margin) for batches in budgets for omega_lr in settings.omega_lr
+            for lambda_lr in settings.lambda_lr
+            for margin in (settings.margin_steps if settings.margin_steps is not None else [max(1, batches // 4)])]
 
 
 def plot_fusion(results: dict, out: Path) -> Path:
@@ -146,6 +163,21 @@ def plot_fusion(results: dict, out: Path) -> Path:
     threshold = 1e-3
     return plot_curves(curves, out, title='DHA Fusion: L_fusion per batch', xlabel='batch', ylabel='L_fusion',
                        references={'threshold': threshold}, log_y=True)
+
+
+def plot_budgets(results: dict, out: Path) -> Path:
+    """The baked model's validation and held-out loss (± 95%) against the Fusion tokens it ran, one curve per
+    setting over its budgets."""
+    from dha_train.plots import plot_panels
+
+    panels: dict = {'validation': {}, 'held-out': {}}
+    for row in results['rows']:
+        setting = row['label'].split(', ', 1)[1]  # the label without its budget
+        for panel, text in (('validation', 'validation'), ('held-out', 'heldout')):
+            curve = panels[panel].setdefault(setting, {'points': [], 'colour_key': setting, 'dashed': False})
+            curve['points'].append((row['tokens'], row[f'{text}_loss'], row[f'{text}_ci95']))
+    return plot_panels(panels, out, title='DHA Fusion: the baked model against the Fusion budget',
+                       xlabel='Fusion tokens', ylabel='loss (nats/token)')
 
 
 def markdown_table(results: dict) -> str:
