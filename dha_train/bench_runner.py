@@ -291,6 +291,16 @@ class StageRunner:
         return self.stage(self.runs, name, build, recipe=recipe_path(recipe).read_text(), overrides=overrides,
                           fsdp=fsdp)
 
+    def ct(self, name: str, model: str, batches: int | None = None, seed: int | None = None) -> dict:
+        """The stage ``<name>-ct``: continued pre-training of ``model`` (``yamls/real/ct.yaml``), the whole budget by
+        default."""
+        return self.train(f'{name}-ct', 'real/ct.yaml', batches or self.batches, seed, model_path=model)
+
+    def ct_after_fusion(self, name: str, fused: str, batches: int) -> dict:
+        """CT of a baked Fusion for the rest of the budget, on its own seed: Fusion drew the first batches of the
+        stream with the bench seed, and CT restarting the stream with that seed would replay them."""
+        return self.ct(name, fused, batches, self.settings.seed + 100)
+
     def evaluate(self, label: str, method: str, budget: str | None, hf: str | Path, tokens: int, build_seconds: float,
                  intermediate: bool = False, **extra) -> dict:
         """One row: the model's held-out loss and task accuracies. ``intermediate``: a row that ranks no method (refit,

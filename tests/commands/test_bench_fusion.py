@@ -37,6 +37,9 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     # the setting reaches the algorithm: the same map and batches, another fusion lr, another path
     assert fast['fusion_loss'][1:] != slow['fusion_loss'][1:]
     assert all(row['converged_at'] is None or row['final_fusion_loss'] < 1e-3 for row in (slow, fast))
+    # neither reached the threshold: no CT, the model at the budget is the baked one
+    assert all(row['ct_batches'] == 0 and row['budget_validation_loss'] == row['validation_loss']
+               for row in (slow, fast))
     value, low, high = fast['vs_first']['validation']
     assert low <= value <= high and 'vs_first' not in slow
     table = markdown_table(results)
@@ -56,6 +59,12 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     assert short['batches_run'] <= 2 and short['tokens'] == (
         short['batches_run'] * curve['settings']['batch'] * curve['settings']['seq_len'])
     assert [Path(plot).name for plot in curve['plots']] == ['fusion.png', 'fusion_budgets.png']
+    # a run that reaches the threshold (here one every run reaches) stops Fusion and trains CT for the rest
+    early = run_fusion_bench(replace(settings, omega_lr=(0.4,), overrides={'threshold': 1.0e6}, results=None))
+    (stopped,) = early['rows']
+    assert stopped['converged_at'] == stopped['batches_run'] == 1 and stopped['ct_batches'] == 3
+    assert stopped['tokens'] == early['settings']['batch'] * early['settings']['seq_len']
+    assert stopped['budget_heldout_loss'] != stopped['heldout_loss'] and stopped['budget_heldout_ci95'] > 0
     with pytest.raises(ConfigError, match='--kv-heads 2'):
         run_fusion_bench(replace(settings, kv_heads=2))
     with pytest.raises(ConfigError, match='--omega-lr'):

@@ -14,8 +14,9 @@ Every combination of ``--batches`` x ``--omega-lr`` x ``--lambda-lr`` x ``--marg
 ``--batches`` give the budget curve (each budget its own run, since the cosine schedule spans the run), and a run
 already made (same source, data, recipe and setting) is reused, so a curve can extend a grid's row.
 
-Rows: the setting, L_fusion after every batch, the batch at which it fell below the threshold (or none), and the
-baked model's losses. Writes ``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
+A run that reaches the threshold early continues with CT for the rest of its budget, as `bench real` runs DHA, so
+runs are compared (``vs_first``) at the same tokens. Rows: the setting, L_fusion after every batch, the batch at
+which it fell below the threshold (or none), the baked model's losses and the losses at the budget. Writes ``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class FusionBenchSettings:
     seq_len: int | None = None
     val_tokens: int | None = None
     isolate_stages: bool = True
+    overrides: dict | None = None  # recipe variables for every run (tests: e.g. a threshold every run reaches)
 
 
 def _losses(folder: str | Path, data: Path, device: str) -> dict[str, list[float]]:
@@ -73,7 +75,8 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
         raise ConfigError(f'bench fusion: --margin-steps needs values >= 0, got {list(settings.margin_steps)}')
     real = resolve_settings(RealSettings(out=settings.out, device=settings.device, source=settings.source,
                                          seed=settings.seed, train_data=settings.train_data, seq_len=settings.seq_len,
-                                         val_tokens=settings.val_tokens, isolate_stages=settings.isolate_stages))
+                                         val_tokens=settings.val_tokens, isolate_stages=settings.isolate_stages,
+                                         overrides=dict(settings.overrides or {})))
     work = Path(real.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
     source = source_folder(work, real.source)
@@ -115,28 +118,35 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
                              head_map=runs / f'head_map_kv{settings.kv_heads}.json',
                              margin_steps=margin, omega_lr=omega_lr, lambda_lr=lambda_lr)
 
-        def score(out: Path, folder=fused['hf_folder']) -> dict:
-            scored = {text: _losses(folder, root, real.device) for text, root in texts.items()}
-            (out / 'sequence_losses.json').write_text(json.dumps(scored))
-            return {'file': str(out / 'sequence_losses.json')}
-
-        scored = runner.stage(runs / 'eval', name, score, model=fused['hf_folder'],
-                              texts={k: str(v) for k, v in texts.items()})
-        sequences[label] = json.loads(Path(scored['file']).read_text())
+        remaining = batches - len(fused['history'])
+        # Fusion stopped at the threshold: CT takes the rest of the budget, as in `bench real`, so that every
+        # setting is compared at the same tokens
+        trained = runner.ct_after_fusion(name, fused['hf_folder'], remaining) if remaining > 0 else None
+        models = {'baked': (name, fused['hf_folder'])}
+        if trained is not None:
+            models['ct'] = (f'{name}-ct', trained['hf_folder'])
+        scored = {kind: score_stage(runner, runs, stage, folder, texts, real.device)
+                  for kind, (stage, folder) in models.items()}
+        at_budget = scored['ct' if trained is not None else 'baked']
+        sequences[label] = at_budget
         row = {'label': label, 'batches': batches, 'omega_lr': omega_lr, 'lambda_lr': lambda_lr,
                'margin_steps': margin, 'batches_run': len(fused['history']),
                'converged_at': fused['converged_at'], 'fusion_loss': fused['history'],
                'final_fusion_loss': fused['history'][-1] if fused['history'] else None,
-               'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds']}
+               'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds'],
+               'ct_batches': remaining if trained is not None else 0,
+               'ct_seconds': trained['seconds'] if trained is not None else 0.0}
         for text in texts:
-            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(sequences[label][text])
+            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(scored['baked'][text])
+            row[f'budget_{text}_loss'], row[f'budget_{text}_ci95'] = mean_of_means_interval(at_budget[text])
         first = next(iter(sequences))
         if label != first:
-            row['vs_first'] = {text: list(paired_difference(sequences[first][text], sequences[label][text],
+            row['vs_first'] = {text: list(paired_difference(sequences[first][text], at_budget[text],
                                                             seed=settings.seed)) for text in texts}
         results['rows'].append(row)
         bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
-            f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f}')
+            f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f} baked, '
+            f'{row["budget_validation_loss"]:.3f} at the budget')
     results['plots'] = [str(plot_fusion(results, runs / 'fusion.png'))]
     if len(budgets) > 1:
         results['plots'].append(str(plot_budgets(results, runs / 'fusion_budgets.png')))
@@ -146,6 +156,18 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
         Path(settings.results).write_text(text)
     print(markdown_table(results))
     return results
+
+
+def score_stage(runner: StageRunner, runs: Path, name: str, folder: str, texts: dict[str, Path],
+                device: str) -> dict[str, list[float]]:
+    """The loss of every sequence of each text under the model in ``folder``, as a stage (reused when run again)."""
+    def score(out: Path) -> dict:
+        scored = {text: _losses(folder, root, device) for text, root in texts.items()}
+        (out / 'sequence_losses.json').write_text(json.dumps(scored))
+        return {'file': str(out / 'sequence_losses.json')}
+
+    done = runner.stage(runs / 'eval', name, score, model=folder, texts={k: str(v) for k, v in texts.items()})
+    return json.loads(Path(done['file']).read_text())
 
 
 def grid(settings: FusionBenchSettings, budgets: Sequence[int]) -> list[tuple[int, float, float, int]]:
@@ -166,8 +188,8 @@ def plot_fusion(results: dict, out: Path) -> Path:
 
 
 def plot_budgets(results: dict, out: Path) -> Path:
-    """The baked model's validation and held-out loss (± 95%) against the Fusion tokens it ran, one curve per
-    setting over its budgets."""
+    """The validation and held-out loss (± 95%) at each budget (the baked model, after CT where Fusion stopped early)
+    against the budget's tokens, one curve per setting over its budgets."""
     from dha_train.plots import plot_panels
 
     panels: dict = {'validation': {}, 'held-out': {}}
@@ -175,23 +197,26 @@ def plot_budgets(results: dict, out: Path) -> Path:
         setting = row['label'].split(', ', 1)[1]  # the label without its budget
         for panel, text in (('validation', 'validation'), ('held-out', 'heldout')):
             curve = panels[panel].setdefault(setting, {'points': [], 'colour_key': setting, 'dashed': False})
-            curve['points'].append((row['tokens'], row[f'{text}_loss'], row[f'{text}_ci95']))
+            curve['points'].append((row['batches'] * results['settings']['batch'] * results['settings']['seq_len'],
+                                    row[f'budget_{text}_loss'], row[f'budget_{text}_ci95']))
     return plot_panels(panels, out, title='DHA Fusion: the baked model against the Fusion budget',
-                       xlabel='Fusion tokens', ylabel='loss (nats/token)')
+                       xlabel='tokens (Fusion + CT)', ylabel='loss (nats/token)')
 
 
 def markdown_table(results: dict) -> str:
-    """One line per setting: where Fusion got to, and the baked model's validation and held-out loss (± 95%), with
-    the paired difference from the first setting on the validation text (`*`: its interval excludes 0)."""
-    lines = ['| setting | batches run | converged at batch | final L_fusion | validation loss | vs first | '
-             'held-out loss |', '| --- | --- | --- | --- | --- | --- | --- |']
+    """One line per run: where Fusion got to, the baked model's validation loss, and at the budget (after CT for the
+    batches Fusion left, as `bench real` runs it) the validation and held-out loss (± 95%), with the paired
+    difference from the first run on the validation text (`*`: its interval excludes 0)."""
+    lines = ['| run | converged at batch | final L_fusion | validation, baked | CT batches | validation at the budget | '
+             'vs first | held-out at the budget |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
     for row in results['rows']:
         versus = '-'
         if row.get('vs_first'):
             value, low, high = row['vs_first']['validation']
             versus = f'{value:+.3f} [{low:+.3f}, {high:+.3f}]' + ('*' if low > 0 or high < 0 else '')
         converged = row['converged_at'] if row['converged_at'] is not None else 'no'
-        lines.append(f'| {row["label"]} | {row["batches_run"]} | {converged} | {row["final_fusion_loss"]:.4f} | '
-                     f'{row["validation_loss"]:.3f} ± {row["validation_ci95"]:.3f} | {versus} | '
-                     f'{row["heldout_loss"]:.3f} ± {row["heldout_ci95"]:.3f} |')
+        lines.append(f'| {row["label"]} | {converged} | {row["final_fusion_loss"]:.4f} | '
+                     f'{row["validation_loss"]:.3f} ± {row["validation_ci95"]:.3f} | {row["ct_batches"]} | '
+                     f'{row["budget_validation_loss"]:.3f} ± {row["budget_validation_ci95"]:.3f} | {versus} | '
+                     f'{row["budget_heldout_loss"]:.3f} ± {row["budget_heldout_ci95"]:.3f} |')
     return '\n'.join(lines)

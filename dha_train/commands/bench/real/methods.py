@@ -43,12 +43,9 @@ class RealBench(StageRunner):
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
         self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
-        trained = self._ct(name, converted['hf_folder'])
+        trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
-
-    def _ct(self, name: str, model: str, batches: int | None = None, seed: int | None = None) -> dict:
-        return self.train(f'{name}-ct', 'real/ct.yaml', batches or self.batches, seed, model_path=model)
 
     def aligned_gqa(self, budget: str) -> None:
         heads = _heads(budget)
@@ -129,7 +126,7 @@ class RealBench(StageRunner):
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
                       group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
         self.heal(name, f'AsymGQA {budget}', 'asym_gqa', budget, converted['hf_folder'], seconds, group_sizes=sizes)
-        trained = self._ct(name, converted['hf_folder'])
+        trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
 
@@ -212,9 +209,7 @@ class RealBench(StageRunner):
                 'fusion used the whole token budget (it did not reach the threshold earlier), so no CT: the '
                 'post-fusion point is DHA\'s point at the common budget')})
             return
-        # its own seed: Fusion drew the first batches of the stream with the bench seed, and CT restarting the stream
-        # with that seed would replay them
-        trained = self._ct(name, fused['hf_folder'], remaining, s.seed + 100)
+        trained = self.ct_after_fusion(name, fused['hf_folder'], remaining)
         self.evaluate(f'{title} {budget} +CT', method, budget, trained['hf_folder'],
                       fused['fusion_tokens'] + trained['tokens'], seconds + trained['seconds'],
                       ct_tokens=trained['tokens'], **extra)
@@ -263,7 +258,7 @@ class RealBench(StageRunner):
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
         self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
-        trained = self._ct(name, converted['hf_folder'])
+        trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
 
