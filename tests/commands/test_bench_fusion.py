@@ -8,9 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from dha_train.commands.bench.fusion import FusionBenchSettings, markdown_table, run_fusion_bench
+from dha_train.commands.bench.fusion import FusionBenchSettings, grid, markdown_table, run_fusion_bench
 from dha_train.config import ConfigError
+from dha_train.paths import recipe_path
 from helpers import SEQ_LEN, save_tiny_smollm2_shape
 
 
@@ -49,8 +51,8 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     again = run_fusion_bench(settings)
     assert [row['fusion_loss'] for row in again['rows']] == [row['fusion_loss'] for row in results['rows']]
     assert [row['validation_loss'] for row in again['rows']] == [row['validation_loss'] for row in results['rows']]
-    # a budget curve at bench real's margin (a quarter of the run, at least 1), each budget its own run
-    curve = run_fusion_bench(replace(settings, batches=(2, 4), omega_lr=(0.4,), margin_steps=None, results=None))
+    # a budget curve at a margin of 1 batch, each budget its own run
+    curve = run_fusion_bench(replace(settings, batches=(2, 4), omega_lr=(0.4,), margin_steps=(1,), results=None))
     short, long = curve['rows']
     assert (short['batches'], long['batches']) == (2, 4) and [row['margin_steps'] for row in curve['rows']] == [1, 1]
     # lambda is 0 in the first batch under either margin; after it, margin 0 constrains (lambda 20 x 2/3) and a
@@ -71,3 +73,11 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
         run_fusion_bench(replace(settings, omega_lr=(0.0,)))
     with pytest.raises(ConfigError, match='--margin-steps'):
         run_fusion_bench(replace(settings, margin_steps=(-1,)))
+
+
+def test_the_default_margin_is_the_recipe_s_and_every_setting_is_a_run():
+    recipe_margin = OmegaConf.load(recipe_path('real/fusion.yaml')).variables.margin_steps
+    runs = grid(FusionBenchSettings(omega_lr=(0.1, 0.2), lambda_lr=(1000.0,)), [16, 32])
+    assert runs == [(16, 0.1, 1000.0, recipe_margin), (16, 0.2, 1000.0, recipe_margin),
+                    (32, 0.1, 1000.0, recipe_margin), (32, 0.2, 1000.0, recipe_margin)]
+    assert len(grid(FusionBenchSettings(omega_lr=(0.1,), lambda_lr=(20.0, 200.0), margin_steps=(0, 4)), [16])) == 4

@@ -66,7 +66,7 @@ def test_bench_real_rows_budgets_and_teacher_accuracy(tmp_path, tokenizer_dir, d
         out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
         tokens=2 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=limit, val_tokens=4 * SEQ_LEN, calib_tokens=128,
         search_batches=1, eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False,
-        isolate_stages=False, overrides={'threshold': 1.0e6})  # Fusion stops after its margin warm-up: CT follows
+        isolate_stages=False, overrides={'threshold': 1.0e6})  # Fusion stops after its first batch: CT follows
     results = run_real_bench(settings)
     rows = {row['label']: row for row in results['rows']}
     teacher = LlamaConfig.from_pretrained(source)

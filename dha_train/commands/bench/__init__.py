@@ -254,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=list(fusion_defaults.lambda_lr), help='multiplier ascent rates (default: %(default)s)')
     fusion.add_argument('--margin-steps', dest='margin_steps', type=int, nargs='+', default=None,
                         help='margin warm-up steps (Eq. 8\'s k; 0: the constraint holds from the first batch); '
-                        'default: bench real\'s, a quarter of the run')
+                        'default: the recipe\'s, yamls/real/fusion.yaml, as bench real runs it')
     fusion.add_argument('--validation', default=None, help='the validation text (default: vim\'s help files)')
     fusion.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
     fusion.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])

@@ -35,6 +35,9 @@ from dha_train.evaluation import load_model, sequence_losses
 from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.intervals import mean_of_means_interval, paired_difference
+from dha_train.paths import recipe_path
+
+RECIPE = 'real/fusion.yaml'
 
 VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'  # the validation text of `bench mla-zero`, chosen on there too
 
@@ -46,7 +49,7 @@ class FusionBenchSettings:
     batches: Sequence[int] | None = None  # Fusion budgets; default: bench real's whole training budget in batches
     omega_lr: Sequence[float] = (0.05, 0.1, 0.2, 0.4)
     lambda_lr: Sequence[float] = (20.0,)
-    margin_steps: Sequence[int] | None = None  # Eq. 8's margin warm-up k; default: bench real's, a quarter of the run
+    margin_steps: Sequence[int] | None = None  # Eq. 8's margin warm-up k; default: the recipe's (bench real's)
     validation: str | None = None  # a folder or glob of text files (default: vim's help files)
     text_tokens: int = 16384
     results: str | None = None
@@ -114,7 +117,7 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
     for batches, omega_lr, lambda_lr, margin in grid(settings, budgets):
         label = f'{batches} batches, omega lr {omega_lr:g}, lambda lr {lambda_lr:g}, margin {margin}'
         name = re.sub(r'[^a-z0-9]+', '-', f'fusion kv{settings.kv_heads} {label}'.lower()).strip('-')
-        fused = runner.train(name, 'real/fusion.yaml', batches, then=fusion_record, model_path=source,
+        fused = runner.train(name, RECIPE, batches, then=fusion_record, model_path=source,
                              head_map=runs / f'head_map_kv{settings.kv_heads}.json',
                              margin_steps=margin, omega_lr=omega_lr, lambda_lr=lambda_lr)
 
@@ -171,11 +174,15 @@ def score_stage(runner: StageRunner, runs: Path, name: str, folder: str, texts: 
 
 
 def grid(settings: FusionBenchSettings, budgets: Sequence[int]) -> list[tuple[int, float, float, int]]:
-    """(batches, omega lr, lambda lr, margin steps) of every run, budgets outermost; the margin default is bench
-    real's, a quarter of the run (at least 1)."""
+    """(batches, omega lr, lambda lr, margin steps) of every run, budgets outermost; the margin default is the
+    recipe's, the one `bench real` runs."""
+    from omegaconf import OmegaConf
+
+    margins = settings.margin_steps
+    if margins is None:
+        margins = [int(OmegaConf.load(recipe_path(RECIPE)).variables.margin_steps)]
     return [(batches, omega_lr, lambda_lr, margin) for batches in budgets for omega_lr in settings.omega_lr
-            for lambda_lr in settings.lambda_lr
-            for margin in (settings.margin_steps if settings.margin_steps is not None else [max(1, batches // 4)])]
+            for lambda_lr in settings.lambda_lr for margin in margins]
 
 
 def plot_fusion(results: dict, out: Path) -> Path:

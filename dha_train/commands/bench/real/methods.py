@@ -183,7 +183,6 @@ class RealBench(StageRunner):
         found = self.stage(self.runs, f'{name}-search', search, heads=heads, recipe=recipe_path(
             'real/dha_search.yaml').read_text(), overrides=search_overrides if heads > 1 else None)
         self._dha_start(name, budget, found, method, title)
-        margin = max(1, self.batches // 4)
 
         def fusion_record(trainer, out: Path) -> dict:
             state = HeadFusion.of(trainer.state, 'bench real')
@@ -194,7 +193,7 @@ class RealBench(StageRunner):
                     'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
 
         fused = self.train(f'{name}-fusion', 'real/fusion.yaml', self.batches, then=fusion_record,
-                           model_path=self.source, head_map=found['head_map'], margin_steps=margin)
+                           model_path=self.source, head_map=found['head_map'])  # the recipe's margin and lrs
         kv_heads = found['kv_heads']
         extra = {'kv_heads_per_layer': kv_heads, 'search_tokens': found['search_tokens'],
                  'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
