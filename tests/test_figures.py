@@ -354,7 +354,7 @@ QUOTING_SECTIONS = {
                       '0.472': "95% of the teacher's accuracy", '68.75': 'MHA2MLA (paper)', '96.8': 'MHA2MLA (paper)',
                       '0.25': 'MHA2MLA (paper)'}},
     ('docs/methods/dha.md', "## Fusion at a third of SmolLM2's cache"): {
-        'files': ('bench_fusion.json', 'bench_real.json'), 'elsewhere': {}},
+        'files': ('bench_fusion.json', 'bench_real.json', 'bench_real_dha.json'), 'elsewhere': {}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
 }
@@ -431,3 +431,16 @@ def test_the_rerun_is_one_invocation_whose_ranking_rows_score_400_documents_with
                                              else run['settings']['intermediate_limit']), row['label']
         if row['method'] != 'teacher':
             assert len(row['vs_teacher']['accuracy']) == 3, row['label']
+
+
+DHA_ROWS = 'bench_real_dha.json'  # bench real's DHA and mean-pool at a third, with the converging Fusion recipe
+DHA_ROWS_LINE = "### DHA in `bench real` with the converging recipe"
+
+
+def test_the_dha_page_rows_of_the_converging_recipe_are_the_bench_output():
+    from dha_train.commands.bench.real.tables import headline_table, healing_table, load_runs
+
+    page = (REPO / 'docs' / 'methods' / 'dha.md').read_text()
+    runs = load_runs(RESULTS / DHA_ROWS)
+    for table in (healing_table(runs), headline_table(runs)):
+        assert table_problems(page, table, 'docs/methods/dha.md', after=DHA_ROWS_LINE) == []
