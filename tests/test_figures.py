@@ -354,7 +354,8 @@ QUOTING_SECTIONS = {
                       '0.472': "95% of the teacher's accuracy", '68.75': 'MHA2MLA (paper)', '96.8': 'MHA2MLA (paper)',
                       '0.25': 'MHA2MLA (paper)'}},
     ('docs/methods/dha.md', "## Fusion at a third of SmolLM2's cache"): {
-        'files': ('bench_fusion.json', 'bench_real.json', 'bench_real_dha.json'), 'elsewhere': {}},
+        'files': ('bench_fusion.json', 'bench_fusion_budgets.json', 'bench_real.json', 'bench_real_dha.json'),
+        'elsewhere': {}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
 }
