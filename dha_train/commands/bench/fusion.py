@@ -5,8 +5,8 @@ The question (issue 46): at a third of SmolLM2-135M's cache, `bench real`'s Fusi
 ends its 16 batches at L_fusion 0.194, far from the 1e-3 at which Fusion stops. Each row here is one Fusion run from
 the same map, `yamls/real/fusion.yaml` with `bench real`'s batch, sequence length, data and seed, for ``--batches``
 batches (stopping early at the threshold, as in `bench real`), at one fusion lr (``--omega-lr``), one multiplier
-ascent rate (``--lambda-lr``) and one margin warm-up (``--margin-steps``, Eq. 8's k). The source, training data and held-out text are `bench real`'s (same ``--out``,
-reused). Settings are compared on a validation text only (vim's help files, as `bench mla-zero`): the loss of the
+ascent rate (``--lambda-lr``) and one margin warm-up (``--margin-steps``, Eq. 8's k). The source, training data and
+held-out text are `bench real`'s (same ``--out``, reused). Settings are compared on a validation text only (vim's help files, as `bench mla-zero`): the loss of the
 baked model, with its 95% interval over sequences and its paired difference from the first setting given. The
 held-out text's loss is recorded beside it for the setting a recipe then takes, never used to choose.
 
@@ -16,7 +16,8 @@ already made (same source, data, recipe and setting) is reused, so a curve can e
 
 A run that reaches the threshold early continues with CT for the rest of its budget, as `bench real` runs DHA, so
 runs are compared (``vs_first``) at the same tokens. Rows: the setting, L_fusion after every batch, the batch at
-which it fell below the threshold (or none), the baked model's losses and the losses at the budget. Writes ``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
+which it fell below the threshold (or none), the baked model's losses and the losses at the budget. Writes
+``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
 """
 
 from __future__ import annotations
@@ -115,32 +116,27 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
         return {'history': [entry['fusion_loss'] for entry in state.history], 'converged_at': state.converged_at}
 
     for batches, omega_lr, lambda_lr, margin in grid(settings, budgets):
-        label = f'{batches} batches, omega lr {omega_lr:g}, lambda lr {lambda_lr:g}, margin {margin}'
+        label = f'{batches} batches, {setting_label(omega_lr, lambda_lr, margin)}'
         name = re.sub(r'[^a-z0-9]+', '-', f'fusion kv{settings.kv_heads} {label}'.lower()).strip('-')
         fused = runner.train(name, RECIPE, batches, then=fusion_record, model_path=source,
                              head_map=runs / f'head_map_kv{settings.kv_heads}.json',
                              margin_steps=margin, omega_lr=omega_lr, lambda_lr=lambda_lr)
 
-        remaining = batches - len(fused['history'])
-        # Fusion stopped at the threshold: CT takes the rest of the budget, as in `bench real`, so that every
-        # setting is compared at the same tokens
-        trained = runner.ct_after_fusion(name, fused['hf_folder'], remaining) if remaining > 0 else None
-        models = {'baked': (name, fused['hf_folder'])}
-        if trained is not None:
-            models['ct'] = (f'{name}-ct', trained['hf_folder'])
-        scored = {kind: score_stage(runner, runs, stage, folder, texts, real.device)
-                  for kind, (stage, folder) in models.items()}
-        at_budget = scored['ct' if trained is not None else 'baked']
+        remaining = batches - len(fused['history'])  # > 0 only when Fusion stopped at the threshold
+        baked = score_stage(runner, runs, name, fused['hf_folder'], texts, real.device)
+        at_budget, trained = baked, None
+        if remaining > 0:  # CT takes the rest of the budget, as in `bench real`: every run compared at the same tokens
+            trained = runner.ct_after_fusion(name, fused['hf_folder'], remaining)
+            at_budget = score_stage(runner, runs, f'{name}-ct', trained['hf_folder'], texts, real.device)
         sequences[label] = at_budget
         row = {'label': label, 'batches': batches, 'omega_lr': omega_lr, 'lambda_lr': lambda_lr,
                'margin_steps': margin, 'batches_run': len(fused['history']),
                'converged_at': fused['converged_at'], 'fusion_loss': fused['history'],
                'final_fusion_loss': fused['history'][-1] if fused['history'] else None,
                'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds'],
-               'ct_batches': remaining if trained is not None else 0,
-               'ct_seconds': trained['seconds'] if trained is not None else 0.0}
+               'ct_batches': remaining, 'ct_seconds': trained['seconds'] if trained is not None else 0.0}
         for text in texts:
-            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(scored['baked'][text])
+            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(baked[text])
             row[f'budget_{text}_loss'], row[f'budget_{text}_ci95'] = mean_of_means_interval(at_budget[text])
         first = next(iter(sequences))
         if label != first:
@@ -173,6 +169,11 @@ def score_stage(runner: StageRunner, runs: Path, name: str, folder: str, texts: 
     return json.loads(Path(done['file']).read_text())
 
 
+def setting_label(omega_lr: float, lambda_lr: float, margin: int) -> str:
+    """A run's optimiser setting, as its row label gives it after the budget."""
+    return f'omega lr {omega_lr:g}, lambda lr {lambda_lr:g}, margin {margin}'
+
+
 def grid(settings: FusionBenchSettings, budgets: Sequence[int]) -> list[tuple[int, float, float, int]]:
     """(batches, omega lr, lambda lr, margin steps) of every run, budgets outermost; the margin default is the
     recipe's, the one `bench real` runs."""
@@ -201,7 +202,7 @@ def plot_budgets(results: dict, out: Path) -> Path:
 
     panels: dict = {'validation': {}, 'held-out': {}}
     for row in results['rows']:
-        setting = row['label'].split(', ', 1)[1]  # the label without its budget
+        setting = setting_label(row['omega_lr'], row['lambda_lr'], row['margin_steps'])
         for panel, text in (('validation', 'validation'), ('held-out', 'heldout')):
             curve = panels[panel].setdefault(setting, {'points': [], 'colour_key': setting, 'dashed': False})
             curve['points'].append((row['batches'] * results['settings']['batch'] * results['settings']['seq_len'],
