@@ -127,16 +127,16 @@ def text_files(where: str) -> list[Path]:
     where = os.path.expanduser(where)
     if Path(where).is_dir():
         return sorted(p for p in Path(where).rglob('*') if p.is_file())
-    return sorted(Path(p) for p in glob.glob(where) if Path(p).is_file())
+    return sorted(Path(p) for p in glob.glob(where, recursive=True) if Path(p).is_file())
 
 
 def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
-    """The visible text of every HTML file and the text of every .txt, .md or .rst file of at least ``min_chars``,
+    """The visible text of every HTML file and the text of every .txt, .md, .rst or .pod file of at least ``min_chars``,
     deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
     documents, seen = [], set()
     for path in files:
         suffix = path.suffix.lower()
-        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst'):
+        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst', '.pod'):
             continue
         try:
             raw = path.read_text(encoding='utf-8')
@@ -177,7 +177,7 @@ def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *
     def build(out: Path) -> dict:
         documents = text_documents(files, seed=seed)
         if not documents:
-            raise ConfigError(f'no text (.html, .txt, .md, .rst files of 2,000+ characters) in {where}')
+            raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod files of 2,000+ characters) in {where}')
         domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens)
         return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val']}
 

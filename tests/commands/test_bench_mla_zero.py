@@ -1,6 +1,7 @@
 """`dha-train bench mla-zero` and what it is built from: per-layer attention errors that isolate each layer, the
-calibration sequences TransMLA is fed (the ones the project's conversions calibrate on), the text folders, and a
-small run on a tiny GQA LLaMA."""
+calibration sequences TransMLA is fed (the ones the project's conversions calibrate on), the text folders, TransMLA's
+settings search, and a small run on a tiny GQA LLaMA (TransMLA's converter stood in by a checkout whose converter
+perturbs the source by an amount set by its width and fold)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.bench_runner import text_documents, text_files
 from dha_train.calibration import calibrate, calibration_batches
-from dha_train.commands.bench.mla_zero import MlaZeroSettings, calibration_sequences, check_transmla, run_mla_zero_bench
+from dha_train.commands.bench.mla_zero import (
+    MlaZeroSettings,
+    calibration_sequences,
+    check_transmla,
+    choose_on_validation,
+    paired_rows,
+    run_mla_zero_bench,
+    transmla_candidates,
+)
 from dha_train.config import ConfigError
 from dha_train.evaluation import attention_output_errors
 from dha_train.harness import LOCAL_TASK, build_local_task
@@ -64,16 +73,18 @@ def test_text_documents_keep_visible_text_of_html_and_text_files(tmp_path):
     (tmp_path / 'ch01.html').write_text(f'<html><head><title>t</title></head><body><nav>Menu Next</nav>'
                                         f'<script>var x = 1;</script><p>{body}</p><pre>fn main() {{}}</pre></body>')
     (tmp_path / 'notes.txt').write_text('plain text line\n' * 200)
+    (tmp_path / 'perlfaq.pod').write_text('=head1 NAME\n\nHow do I read a file?\n' * 80)
     (tmp_path / 'short.md').write_text('too short')
     (tmp_path / 'code.py').write_text('x = 1\n' * 1000)
     (tmp_path / 'sub').mkdir()
     (tmp_path / 'sub' / 'copy.txt').write_text('plain text line\n' * 200)  # the same text twice is kept once
     found = text_documents(text_files(str(tmp_path)))
     documents = dict((meta['path'].rsplit('/', 1)[1], text) for text, meta in found)
-    assert sorted(documents) == ['ch01.html', 'notes.txt']
-    # a glob picks files: only the chapters
+    assert sorted(documents) == ['ch01.html', 'notes.txt', 'perlfaq.pod']
+    # a glob picks files: only the chapters; ** reaches into folders
     assert [meta['path'] for _, meta in text_documents(text_files(str(tmp_path / 'ch*.html')))] == [
         str(tmp_path / 'ch01.html')]
+    assert text_files(str(tmp_path / '**' / '*.txt')) == [tmp_path / 'notes.txt', tmp_path / 'sub' / 'copy.txt']
     page = documents['ch01.html']
     assert 'Ownership rules & borrowing.' in page and 'fn main() {}' in page
     assert 'Menu' not in page and 'var x' not in page and '<p>' not in page
@@ -105,41 +116,126 @@ def test_a_folder_without_transmlas_converter_is_refused(tmp_path):
     assert check_transmla(tmp_path) == tmp_path / 'transmla'
 
 
+def test_transmla_settings_are_those_its_converter_accepts():
+    # SmolLM2's 64-dim heads at a third (128 numbers): a width of w collapses 64 / w dims, so the fold is a multiple
+    # of that; the fold divides the head's 32 pairs; a width that fills the budget leaves no latent
+    assert transmla_candidates(64, (16, 32, 64), (2, 4, 8), numbers=128) == [
+        (16, 4), (16, 8), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8)]
+    assert transmla_candidates(64, (48, 64), (2, 3, 4), numbers=64) == []
+    assert transmla_candidates(8, (2, 4, 8), (2, 4), numbers=16) == [(2, 4), (4, 2), (4, 4), (8, 2), (8, 4)]
+
+
+def test_transmla_is_chosen_on_validation_alone():
+    search = [{'qk_rope_head_dim': 64, 'loss': {'validation': 4.2, 'heldout_fresh': 3.0}},
+              {'qk_rope_head_dim': 32, 'loss': {'validation': 4.1, 'heldout_fresh': 3.9}},
+              {'qk_rope_head_dim': 16, 'loss': {'validation': 4.1, 'heldout_fresh': 3.5}}]
+    assert choose_on_validation(search) is search[1]  # lowest on validation, the first of equals; held-out unread
+
+
+def test_paired_rows_are_each_row_minus_the_reference_on_the_same_sequences():
+    reference = {'label': 'TransMLA', 'budget': 'kv1', 'sequence_losses': {'fresh': {'d': [3.0, 4.0, 5.0, 6.0]}}}
+    better = {'label': 'ours', 'budget': 'kv1', 'sequence_losses': {'fresh': {'d': [2.9, 3.8, 4.7, 5.6]},
+                                                                      'book': {'d': [1.0, 2.0]}}}
+    other_budget = {**better, 'label': 'ours kv2', 'budget': 'kv2'}
+    paired = paired_rows([reference, better, other_budget], reference, seed=0)
+    assert [(entry['row'], entry['text']) for entry in paired] == [('ours', 'fresh')]  # one text in common
+    assert math.isclose(paired[0]['difference'], -0.25)
+    low, high = paired[0]['ci95']
+    assert -0.4 <= low <= -0.25 <= high <= -0.1
+
+
+FAKE_TRANSMLA = """
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+get_dataset_loader = None  # the bench replaces it with its calibration rows
+
+
+def main(args):
+    batches, _ = get_dataset_loader(None)
+    assert sum(len(batch['input_ids']) for batch in batches) == args.cal_nsamples
+    model = AutoModelForCausalLM.from_pretrained(args.model_path)
+    # a worse model the further the setting is from a 4-dim key with fold 2
+    scale = 0.05 * abs(args.qk_mqa_dim - 4) + 0.02 * int(args.freqfold)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(args.save_path)
+    for name in Path(args.model_path).iterdir():
+        if name.name.startswith(('tokenizer', 'special_tokens')):
+            shutil.copy(name, args.save_path)
+"""
+
+
+def numbers_at_kv1(rope_dim: int) -> int:
+    return 2 * 3 * 8 // 3 - rope_dim  # the tiny shape's K+V numbers a token, a third of them, less the RoPE key
+
+
 @pytest.mark.slow
 def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, tokenizer_dir, data_root):
     save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
     raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=120, seed=4)
     task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=1, max_words=60)
-    for name in ('validation', 'book'):
+    for name in ('validation', 'book', 'fresh'):
         (tmp_path / name).mkdir()
         for index in range(3):
             (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 400)
+    (tmp_path / 'transmla' / 'transmla').mkdir(parents=True)
+    (tmp_path / 'transmla' / 'transmla' / 'converter.py').write_text(FAKE_TRANSMLA)
     settings = MlaZeroSettings(
         out=str(tmp_path / 'bench'), budgets=('kv1',), rows=('deepseek', 'mean_pool_refit', 'transmla'),
-        validation=str(tmp_path / 'validation'), book=str(tmp_path / 'book'), tokens=2 * SEQ_LEN,
+        validation=str(tmp_path / 'validation'), book=str(tmp_path / 'book'), fresh=str(tmp_path / 'fresh'),
+        transmla_rope_dims=(4, 8), transmla_folds=(2, 4), tokens=2 * SEQ_LEN,
         text_tokens=2 * SEQ_LEN, text_seq_len=SEQ_LEN, limit=4, tasks=(LOCAL_TASK,), include=(str(task),),
         source=str(tmp_path / 'gqa'), device='cpu', train_data=str(data_root), seq_len=SEQ_LEN,
         val_tokens=2 * SEQ_LEN, isolate_stages=False)
+    without = run_mla_zero_bench(settings)
+    assert [row['label'] for row in without['rows']] == ['teacher', 'DeepSeek layout kv1', 'mean-pool + refit kv1']
+    assert without['skipped'] == [{'row': 'transmla', 'budget': 'kv1', 'reason': 'no --transmla checkout given'}]
+    settings = replace(settings, transmla=str(tmp_path / 'transmla'))
     results = run_mla_zero_bench(settings)
     rows = {row['label']: row for row in results['rows']}
-    assert list(rows) == ['teacher', 'DeepSeek layout kv1', 'mean-pool + refit kv1']
-    assert results['skipped'] == [{'row': 'transmla', 'budget': 'kv1', 'reason': 'no --transmla checkout given'}]
+    chosen = 'TransMLA 4-dim key, fold 2 (chosen on validation) kv1'
+    assert list(rows) == ['teacher', 'DeepSeek layout kv1', 'mean-pool + refit kv1', chosen]
+    # every accepted setting was converted and scored; the least perturbed one is lowest on validation
+    search = results['transmla_search']
+    assert [(e['qk_rope_head_dim'], e['freq_fold']) for e in search] == [(4, 2), (4, 4), (8, 2), (8, 4)]
+    assert [e['chosen'] for e in search] == [True, False, False, False]
+    assert search[0]['loss']['validation'] < min(e['loss']['validation'] for e in search[1:])
+    assert rows[chosen]['chosen_on'] == 'validation' and rows[chosen]['kv_lora_rank'] == numbers_at_kv1(4)
+    assert rows[chosen]['loss'] == search[0]['loss']  # its row is the searched model, scored the same way
+    # the project's rows against TransMLA's chosen setting, on every text, each difference from the sequences
+    paired = {(e['row'], e['text']): e for e in results['paired']}
+    assert set(paired) == {(row, text) for row in ('DeepSeek layout kv1', 'mean-pool + refit kv1')
+                           for text in ('validation', 'heldout_doc', 'heldout_book', 'heldout_fresh')}
+    entry = paired[('DeepSeek layout kv1', 'heldout_fresh')]
+    assert math.isclose(entry['difference'], rows['DeepSeek layout kv1']['loss']['heldout_fresh']
+                        - rows[chosen]['loss']['heldout_fresh'], abs_tol=1e-9)
+    assert entry['ci95'][0] <= entry['difference'] <= entry['ci95'][1]
     numbers = 2 * 3 * 8
     assert rows['teacher']['numbers'] == numbers and rows['DeepSeek layout kv1']['numbers'] == numbers // 3
     # the DeepSeek latent and its RoPE key fill the budget exactly
     deepseek = rows['DeepSeek layout kv1']
     assert deepseek['kv_lora_rank'] + deepseek['qk_rope_head_dim'] == numbers // 3
     for row in results['rows']:
-        assert set(row['loss']) == {'heldout_doc', 'validation', 'heldout_book'}, row['label']
+        assert set(row['loss']) == {'heldout_doc', 'validation', 'heldout_book', 'heldout_fresh'}, row['label']
         assert all(math.isfinite(value) for value in row['loss'].values())
+        assert all(row['loss_ci95'][text] > 0 for text in row['loss'])
         assert len(row['layer_errors']) == 2 and row['accuracy'][LOCAL_TASK] is not None
     assert max(rows['teacher']['layer_errors']) < 1e-6
     assert min(deepseek['layer_errors']) > 1e-3  # a third of the cache is not the source
     # the three texts are three folders, and none is the calibration data
     texts = results['texts']
     assert str(tmp_path / 'book') in texts['heldout_book'] and str(tmp_path / 'validation') in texts['validation']
+    assert str(tmp_path / 'fresh') in texts['heldout_fresh']
     with pytest.raises(ConfigError, match='--book'):
         run_mla_zero_bench(replace(settings, book=str(tmp_path / 'no-such-book')))
+    with pytest.raises(ConfigError, match='no TransMLA setting'):
+        run_mla_zero_bench(replace(settings, transmla_rope_dims=(3,)))
     # run again: every stage is reused, the figures are the same
     again = run_mla_zero_bench(settings)
     assert [row['loss'] for row in again['rows']] == [row['loss'] for row in results['rows']]

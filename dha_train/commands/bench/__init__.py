@@ -232,6 +232,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument('--book', default=None, help='a folder of HTML or text files held out as a second test text '
                       '(default: the Rust book rustup installs, when present)')
     zero.add_argument('--validation', default=None, help='the validation text\'s folder (default: vim\'s help files)')
+    zero.add_argument('--fresh', default=None, help='a folder or glob of text never designed or tuned on, held out '
+                      '(default: Perl\'s POD documentation, /usr/share/perl/5.*/**/*.pod)')
+    zero.add_argument('--transmla-rope-dims', dest='transmla_rope_dims', type=int, nargs='+',
+                      default=list(zero_defaults.transmla_rope_dims), help='TransMLA\'s RoPE key widths searched')
+    zero.add_argument('--transmla-folds', dest='transmla_folds', type=int, nargs='+',
+                      default=list(zero_defaults.transmla_folds), help='TransMLA\'s FreqFolds searched (with each '
+                      'width, where its converter accepts them); the setting lowest on validation is its row')
+    zero.add_argument('--text-tokens', dest='text_tokens', type=int, default=zero_defaults.text_tokens,
+                      help='tokens scored on the validation, book and fresh texts')
     zero.add_argument('--tokens', type=int, default=zero_defaults.tokens, help='calibration tokens of every row')
     zero.add_argument('--limit', type=int, default=zero_defaults.limit, help='first N documents of each task')
     zero.add_argument('--tasks', nargs='+', default=list(zero_defaults.tasks))

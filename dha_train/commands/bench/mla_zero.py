@@ -9,7 +9,10 @@ tokens for every row, the same sequences) and ``/usr/share/doc`` (held-out). Two
   (``docs/methods/mla.md``, "Ablation"); reported so a reader sees how far choice and test differ;
 - book: a book given by ``--book`` (a folder of HTML or text files; default: The Rust Programming Language as rustup
   installs it, when present), held out like ``/usr/share/doc``; its row is left out, and the results say so, where
-  there is no book.
+  there is no book. It was read while the DeepSeek layout's latent norm was redesigned, so it is no longer unseen;
+- fresh: a text nothing in the project was designed, tuned or chosen on, named before any row was scored on it
+  (``--fresh``; default: Perl's bundled POD documentation, ``/usr/share/perl/5.*/**/*.pod``). The comparison rests
+  on it: each row's loss per sequence, and paired differences (``paired``) against TransMLA's chosen setting.
 
 Rows per budget (``kv1``: a third of the source's K+V numbers per token, ``kv2``: two thirds):
 
@@ -18,9 +21,13 @@ Rows per budget (``kv1``: a third of the source's K+V numbers per token, ``kv2``
 - ``mean_pool_refit``: the source mean-pooled to the budget's K/V heads, then ``dha-train refit``;
 - ``transmla``: TransMLA's own converter (``--transmla``: a checkout of github.com/fxmeng/TransMLA, run unchanged in
   a subprocess; only its data loading is replaced, by the same calibration sequences), its latent rank the budget
-  less its RoPE key, FreqFold 4, as its scripts run it. Left out when no checkout is given.
+  less its RoPE key. It gets the tuning the project's defaults had: every RoPE key width of
+  ``--transmla-rope-dims`` (16, 32, 64) with every FreqFold of ``--transmla-folds`` (2, 4, 8) that its converter
+  accepts (the fold a multiple of head_dim / width) is converted and scored on the texts (``transmla_search``); the
+  setting with the lowest validation loss is its row, with its defaults (a 64-dim key, fold 4, as its scripts run
+  it) as a second row when they were not chosen. Left out when no checkout is given.
 
-Columns: the loss on each text, accuracy (acc_norm) on the first ``--limit`` validation documents of piqa and
+Columns: the loss on each text (the mean of its sequences' losses, with a 95% interval over sequences), accuracy (acc_norm) on the first ``--limit`` validation documents of piqa and
 arc_easy, zero-shot, and per layer the relative error of the attention output when every layer reads the teacher's
 own input (``evaluation.attention_output_errors``): where the loss goes. Writes ``mla_zero/results.json`` under
 ``--out`` and prints the table.
@@ -55,9 +62,10 @@ from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import RefitSettings, refit_folder
-from dha_train.evaluation import attention_output_errors, load_model, run_eval, validation_loss
+from dha_train.evaluation import attention_output_errors, domain_means, load_model, run_eval, sequence_losses
 from dha_train.harness import headline
 from dha_train.model_folders import folder_digest
+from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 
 ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
@@ -67,8 +75,11 @@ FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
 # chapter, and its index pages left out).
 VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
 DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
-TRANSMLA_ROPE_DIM = 64  # its qk_mqa_dim default: one 64-dim shared RoPE key
-TRANSMLA_FREQFOLD = 4  # what its scripts pass for LLaMA-family models
+# Named on 2026-11-28, before any row was scored on it: Perl's documentation, prose about a language no conversion
+# calibrates on (the calibration text is Python), in a markup (POD) none of the other texts uses.
+DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.pod'
+TRANSMLA_DEFAULTS = (64, 4)  # (qk_mqa_dim, freqfold): its one 64-dim shared RoPE key, the fold its scripts pass
+TEXTS = ('validation', 'heldout_doc', 'heldout_book', 'heldout_fresh')
 CALIBRATION_BATCH = 8  # rows per calibration batch, for every row (TransMLA's loader included)
 
 
@@ -81,8 +92,11 @@ class MlaZeroSettings:
     transmla_python: str = sys.executable
     book: str | None = None  # a folder or a glob of HTML / text files (default: the Rust book's chapters, if present)
     validation: str | None = None  # a folder or a glob (default: vim's help files)
+    fresh: str | None = None  # a folder or a glob (default: Perl's POD documentation)
+    transmla_rope_dims: Sequence[int] = (16, 32, 64)  # TransMLA's RoPE key widths searched
+    transmla_folds: Sequence[int] = (2, 4, 8)  # and its FreqFolds
     tokens: int = 16384  # calibration tokens of every row
-    text_tokens: int = 8192  # tokens scored on the validation text and the book
+    text_tokens: int = 16384  # tokens scored on the validation text, the book and the fresh text
     text_seq_len: int = 512
     limit: int = 200
     tasks: Sequence[str] = ('piqa', 'arc_easy')
@@ -130,7 +144,8 @@ def check_transmla(checkout: Path) -> Path:
                       'under it or its transmla/ folder)')
 
 
-def run_transmla(checkout: Path, python: str, source: Path, sequences: Path, out: Path, rank: int) -> None:
+def run_transmla(checkout: Path, python: str, source: Path, sequences: Path, out: Path, rank: int,
+                 rope_dim: int, freq_fold: int) -> None:
     """TransMLA's ``converter.main`` in a subprocess (its modules import each other by bare name, and it copies
     modeling files by paths relative to its folder), fed ``sequences`` as its calibration loader."""
     folder = check_transmla(checkout)
@@ -145,13 +160,49 @@ converter.get_dataset_loader = lambda tokenizer, **kwargs: (batches, None)
 converter.main(argparse.Namespace(
     model_path={str(source)!r}, save_path={str(out)!r}, dtype='fp32', device='cpu', cal_dataset='local',
     cal_nsamples=len(ids), cal_batch_size=step, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
-    freqfold='{TRANSMLA_FREQFOLD}', collapse='auto', qk_mqa_dim={TRANSMLA_ROPE_DIM}, q_lora_rank=None,
+    freqfold='{freq_fold}', collapse='auto', qk_mqa_dim={rope_dim}, q_lora_rank=None,
     kv_lora_rank={rank}, balance_kv_ratio=1.0, use_qkv_norm=False, deepseek_style=False))
 '''
     done = subprocess.run([python, '-c', program], cwd=folder, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f'bench mla-zero: TransMLA\'s converter failed (exit {done.returncode}):\n'
                            f'{done.stderr[-3000:]}')
+
+
+def transmla_candidates(head_dim: int, rope_dims: Sequence[int], folds: Sequence[int],
+                        numbers: int) -> list[tuple[int, int]]:
+    """The (RoPE key width, FreqFold) settings TransMLA's converter accepts for a head of ``head_dim`` at a budget of
+    ``numbers`` cached numbers: the width divides the head (its ``collapse`` is head_dim / width), the fold is a
+    multiple of that collapse and divides the head's pairs, and a latent rank is left."""
+    chosen = []
+    for width in rope_dims:
+        if width < 1 or head_dim % width or width >= numbers:
+            continue
+        collapse = head_dim // width
+        chosen += [(width, fold) for fold in folds
+                   if fold >= 1 and fold % collapse == 0 and (head_dim // 2) % fold == 0]
+    return chosen
+
+
+def choose_on_validation(search: Sequence[dict]) -> dict:
+    """The search entry with the lowest validation loss (the first of equals)."""
+    return min(search, key=lambda entry: entry['loss']['validation'])
+
+
+def paired_rows(rows: Sequence[dict], reference: dict, *, seed: int) -> list[dict]:
+    """Each row of ``reference``'s budget against ``reference`` on every text both were scored on: the difference
+    of the mean loss per sequence (row minus reference; below 0, the row is better) and its 95% bootstrap interval,
+    the same sequences drawn for both."""
+    paired = []
+    for row in rows:
+        if row['budget'] != reference['budget'] or row is reference:
+            continue
+        for text, sequences in row['sequence_losses'].items():
+            if text in reference['sequence_losses']:
+                difference, low, high = paired_difference(reference['sequence_losses'][text], sequences, seed=seed)
+                paired.append({'budget': row['budget'], 'row': row['label'], 'against': reference['label'],
+                               'text': text, 'difference': difference, 'ci95': [low, high]})
+    return paired
 
 
 # --- the bench ----------------------------------------------------------------------------------------------------
@@ -182,8 +233,12 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     texts = {'heldout_doc': heldout}
     notes = {'heldout_doc': data['heldout']['source'], 'calibration': data['train']['source']}
     for name, given, default, what in (
-            ('validation', settings.validation, VALIDATION_GLOB, 'the text the DeepSeek defaults were chosen on'),
-            ('heldout_book', settings.book, DEFAULT_BOOK_GLOB, 'a book, held out')):
+            ('validation', settings.validation, VALIDATION_GLOB,
+             'the text the DeepSeek defaults and TransMLA\'s setting were chosen on'),
+            ('heldout_book', settings.book, DEFAULT_BOOK_GLOB,
+             'a book, held out from training and choosing; read during the latent-norm redesign'),
+            ('heldout_fresh', settings.fresh, DEFAULT_FRESH_GLOB,
+             'held out, and nothing in the project was designed, tuned or chosen on it')):
         files = text_files(given or default)
         if not files:
             if given:
@@ -197,6 +252,13 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     config = model_config(source)
     kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
     numbers = 2 * kv_heads * dim  # the source's cached numbers per token per layer
+    candidates = {budget: transmla_candidates(dim, settings.transmla_rope_dims, settings.transmla_folds,
+                                              round(FRACTIONS[budget] * numbers)) for budget in settings.budgets}
+    for budget, accepted in candidates.items():
+        if transmla is not None and 'transmla' in settings.rows and not accepted:
+            raise ConfigError(f'bench mla-zero: no TransMLA setting of --transmla-rope-dims '
+                              f'{list(settings.transmla_rope_dims)} and --transmla-folds '
+                              f'{list(settings.transmla_folds)} fits a head of {dim} at {budget}')
     calibration = {'data': str(train_data), 'tokens': settings.tokens, 'batch_size': CALIBRATION_BATCH,
                    'seed': settings.seed, 'device': real.device}
 
@@ -234,34 +296,81 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 refit_folder(source, pooled, out / 'hf', refit_settings, overwrite=True)
                 return {'hf_folder': str(out / 'hf'), 'setting': {'kv_heads': heads}}
             return build, {'heads': heads, **asdict(refit_settings)}
-        rank = round(fraction * numbers) - TRANSMLA_ROPE_DIM
+        raise ValueError(f'no conversion named {row}')
+
+    def transmla_conversion(budget: str, rope_dim: int, freq_fold: int):
+        rank = round(FRACTIONS[budget] * numbers) - rope_dim
 
         def build(out: Path) -> dict:
             sequences = out / 'calibration.pt'
             rows = calibration_sequences(source, train_data, settings.tokens, CALIBRATION_BATCH, settings.seed)
             torch.save(rows, sequences)
-            run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank)
+            run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank, rope_dim, freq_fold)
             return {'hf_folder': str(out / 'hf'), 'setting': {
-                'kv_lora_rank': rank, 'qk_rope_head_dim': TRANSMLA_ROPE_DIM, 'freq_fold': TRANSMLA_FREQFOLD,
+                'kv_lora_rank': rank, 'qk_rope_head_dim': rope_dim, 'freq_fold': freq_fold,
                 'checkout': str(transmla)}}
-        return build, {'checkout': str(transmla), 'rank': rank, **calibration}
+        reads = {'checkout': str(transmla), 'rank': rank, 'rope_dim': rope_dim, 'freq_fold': freq_fold, **calibration}
+        return runner.stage(runs, f'transmla-{budget}-r{rope_dim}-f{freq_fold}', build, **reads)
+
+    def score_texts(label: str, folder: str) -> dict:
+        """The loss of every sequence of every text (cheap: what the TransMLA search scores each setting on)."""
+        def build(out: Path) -> dict:
+            model, tokenizer = load_model(folder, device=real.device)
+            return {'sequence_losses': {name: sequence_losses(model, tokenizer, root, batch_size=8,
+                                                              device=real.device) for name, root in texts.items()}}
+        scored = runner.stage(runs / 'texts', slug(label), build, model=folder,
+                              texts={k: str(v) for k, v in texts.items()})
+        sequences = scored['sequence_losses']
+        return {'loss': {name: domain_means(values)['mean'] for name, values in sequences.items()},
+                'loss_ci95': {name: mean_of_means_interval(values)[1] for name, values in sequences.items()},
+                'sequence_losses': sequences}
 
     def score(label: str, folder: str) -> dict:
+        """The texts, the tasks and the per-layer attention errors."""
         def build(out: Path) -> dict:
             result = run_eval(folder, tasks=list(settings.tasks), num_fewshot=0, limit=settings.limit, out=out,
                               include=list(settings.include),
                               batch_size=real.eval_batch_size, device=real.device, name=label, seed=settings.seed)
-            model, tokenizer = load_model(folder, device=real.device)
-            losses = {name: validation_loss(model, tokenizer, root, batch_size=8, device=real.device)['mean']
-                      for name, root in texts.items()}
+            model, _ = load_model(folder, device=real.device)
             teacher, _ = load_model(source, device=real.device)
             probe = _probe_batch(heldout)
             errors = attention_output_errors(teacher, model, probe.to(real.device))
             accuracy = {task: (headline(result['scores'].get(task, {})) or (None, None))[1] for task in settings.tasks}
-            return {'loss': losses, 'accuracy': accuracy, 'layer_errors': errors}
-        return runner.stage(runs / 'eval', re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-'), build,
-                            model=folder, texts={k: str(v) for k, v in texts.items()}, tasks=list(settings.tasks),
-                            include=list(map(str, settings.include)), limit=settings.limit)
+            return {'accuracy': accuracy, 'layer_errors': errors}
+        tasks = runner.stage(runs / 'eval', slug(label), build, model=folder, tasks=list(settings.tasks),
+                             include=list(map(str, settings.include)), limit=settings.limit)
+        return {**score_texts(label, folder), 'accuracy': tasks['accuracy'], 'layer_errors': tasks['layer_errors']}
+
+    def transmla_rows(budget: str) -> list[dict]:
+        """Every accepted (width, fold) converted and scored on the texts; the lowest on validation, and TransMLA's
+        defaults, as full rows."""
+        search = []
+        for rope_dim, freq_fold in candidates[budget]:
+            say(f'mla-zero: TransMLA at {budget}, a {rope_dim}-dim RoPE key, fold {freq_fold}')
+            converted = transmla_conversion(budget, rope_dim, freq_fold)
+            scored = score_texts(f'TransMLA {budget} r{rope_dim} f{freq_fold}', converted['hf_folder'])
+            search.append({'budget': budget, **converted['setting'], 'convert_s': converted['seconds'],
+                           'hf_folder': converted['hf_folder'], 'loss': scored['loss'],
+                           'loss_ci95': scored['loss_ci95']})
+        best = choose_on_validation(search)
+        for entry in search:
+            entry['chosen'] = entry is best
+        results.setdefault('transmla_search', []).extend(search)
+        rows = []
+        for entry in [best] + [e for e in search if (e['qk_rope_head_dim'], e['freq_fold']) == TRANSMLA_DEFAULTS
+                               and e is not best]:
+            what = [] if entry is not best else ['chosen on validation']
+            if (entry['qk_rope_head_dim'], entry['freq_fold']) == TRANSMLA_DEFAULTS:
+                what.insert(0, 'its defaults')
+            label = (f"TransMLA {entry['qk_rope_head_dim']}-dim key, fold {entry['freq_fold']} "
+                     f"({', '.join(what)}) {budget}")
+            scored = score(label, entry['hf_folder'])
+            rows.append({'label': label, 'row': 'transmla', 'budget': budget,
+                         'numbers': round(FRACTIONS[budget] * numbers),
+                         **{key: entry[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'checkout',
+                                                         'convert_s')},
+                         **({'chosen_on': 'validation'} if entry is best else {}), **scored})
+        return rows
 
     results = {'source': {'folder': str(source), 'sha256': digest, 'cached_numbers_per_token_per_layer': numbers},
                'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
@@ -279,6 +388,10 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 results.setdefault('skipped', []).append({'row': row, 'budget': budget,
                                                           'reason': 'no --transmla checkout given'})
                 continue
+            if row == 'transmla':
+                results['rows'] += transmla_rows(budget)
+                save()
+                continue
             say(f'mla-zero: {LABELS[row]} at {budget}')
             started = time.perf_counter()
             build, reads = conversion(row, budget)
@@ -289,10 +402,18 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                                     'convert_s': converted['seconds'], **scored,
                                     'wall_s': round(time.perf_counter() - started, 1)})
             save()
+        chosen = [r for r in results['rows'] if r['budget'] == budget and r.get('chosen_on') == 'validation']
+        if chosen:
+            results.setdefault('paired', []).extend(paired_rows(results['rows'], chosen[0], seed=settings.seed))
     save()
     print_table(results)
     print(f'  results.json in {runs}')
     return results
+
+
+def slug(label: str) -> str:
+    """A stage name from a row's label."""
+    return re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')
 
 
 def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
@@ -305,12 +426,23 @@ def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
 
 
 TEXT_COLUMNS = {'validation': 'validation (vim)', 'heldout_doc': 'held-out /usr/share/doc',
-                'heldout_book': 'held-out book'}
+                'heldout_book': 'held-out book', 'heldout_fresh': 'fresh held-out (Perl POD)'}
+
+
+def _loss_cell(row: dict, text: str) -> str:
+    if text not in row['loss']:
+        return '-'
+    interval = row.get('loss_ci95', {}).get(text)
+    return f"{row['loss'][text]:.3f}" + ('' if interval is None else f' ± {interval:.3f}')
+
+
+def _texts(rows: Sequence[dict]) -> list[str]:
+    return [name for name in TEXT_COLUMNS if any(name in row['loss'] for row in rows)]
 
 
 def markdown_table(results: dict) -> str:
     """The results as the docs quote them (``tests/test_figures.py`` checks the docs' copy against the results)."""
-    texts = [name for name in TEXT_COLUMNS if any(name in row['loss'] for row in results['rows'])]
+    texts = _texts(results['rows'])
     tasks = list(results['settings']['tasks'])
     lines = ['| row | cached numbers / token / layer | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts) + ' | '
              + ' | '.join(tasks) + ' | mean layer error | worst layer |',
@@ -319,14 +451,43 @@ def markdown_table(results: dict) -> str:
         errors = row['layer_errors']
         worst = max(range(len(errors)), key=errors.__getitem__)
         cells = [row['label'], str(row['numbers'])]
-        cells += [f"{row['loss'][t]:.3f}" if t in row['loss'] else '-' for t in texts]
+        cells += [_loss_cell(row, t) for t in texts]
         cells += [f"{row['accuracy'][t]:.3f}" if row['accuracy'].get(t) is not None else '-' for t in tasks]
         cells += [f'{sum(errors) / len(errors):.3f}', f'{worst} ({errors[worst]:.3f})']
         lines.append('| ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
 
+def search_table(results: dict) -> str:
+    """TransMLA's settings as searched: every width and fold, its loss on each text, the one chosen on validation."""
+    search = results.get('transmla_search', [])
+    texts = _texts(search)
+    lines = ['| budget | RoPE key dims | fold | latent rank | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts)
+             + ' | chosen |', '|' + ' --- |' * (5 + len(texts))]
+    for entry in search:
+        cells = [entry['budget'], str(entry['qk_rope_head_dim']), str(entry['freq_fold']), str(entry['kv_lora_rank'])]
+        cells += [_loss_cell(entry, t) for t in texts] + ['yes' if entry['chosen'] else '']
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def paired_table(results: dict) -> str:
+    """Each row against TransMLA's chosen setting at its budget, per text: mean loss difference per sequence (the row
+    minus TransMLA; below 0 the row is better) and its 95% interval."""
+    paired = results.get('paired', [])
+    lines = ['| budget | row | against | text | difference | 95% interval |', '|' + ' --- |' * 6]
+    for entry in paired:
+        low, high = entry['ci95']
+        lines.append(f"| {entry['budget']} | {entry['row']} | {entry['against']} | {TEXT_COLUMNS[entry['text']]} | "
+                     f"{entry['difference']:+.3f} | [{low:+.3f}, {high:+.3f}] |")
+    return '\n'.join(lines)
+
+
 def print_table(results: dict) -> None:
     print(markdown_table(results))
+    if results.get('transmla_search'):
+        print('\n' + search_table(results))
+    if results.get('paired'):
+        print('\n' + paired_table(results))
     for skipped in results.get('skipped', []):
         print(f"  skipped: {skipped['row']} at {skipped['budget']}: {skipped['reason']}")
