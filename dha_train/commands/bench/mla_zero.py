@@ -252,6 +252,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     config = model_config(source)
     kv_heads, dim = config.num_key_value_heads, runner.source_map.head_dim
     numbers = 2 * kv_heads * dim  # the source's cached numbers per token per layer
+    # every TransMLA setting to convert, per budget
     candidates = {budget: transmla_candidates(dim, settings.transmla_rope_dims, settings.transmla_folds,
                                               round(FRACTIONS[budget] * numbers)) for budget in settings.budgets}
     for budget, accepted in candidates.items():
@@ -312,15 +313,16 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         reads = {'checkout': str(transmla), 'rank': rank, 'rope_dim': rope_dim, 'freq_fold': freq_fold, **calibration}
         return runner.stage(runs, f'transmla-{budget}-r{rope_dim}-f{freq_fold}', build, **reads)
 
-    def score_texts(label: str, folder: str) -> dict:
-        """The loss of every sequence of every text (cheap: what the TransMLA search scores each setting on)."""
-        def build(out: Path) -> dict:
-            model, tokenizer = load_model(folder, device=real.device)
-            return {'sequence_losses': {name: sequence_losses(model, tokenizer, root, batch_size=8,
-                                                              device=real.device) for name, root in texts.items()}}
-        scored = runner.stage(runs / 'texts', slug(label), build, model=folder,
-                              texts={k: str(v) for k, v in texts.items()})
-        sequences = scored['sequence_losses']
+    def score_texts(label: str, folder: str, names: Sequence[str] = TEXTS) -> dict:
+        """The loss of every sequence of each text of ``names`` (one stage a text, so a model scored on some texts
+        is scored on the rest without repeating them)."""
+        sequences = {}
+        for name in (name for name in names if name in texts):
+            def build(out: Path, root=texts[name]) -> dict:
+                model, tokenizer = load_model(folder, device=real.device)
+                return {'sequence_losses': sequence_losses(model, tokenizer, root, batch_size=8, device=real.device)}
+            sequences[name] = runner.stage(runs / 'texts', f'{slug(label)}-{name}', build, model=folder,
+                                           text=str(texts[name]))['sequence_losses']
         return {'loss': {name: domain_means(values)['mean'] for name, values in sequences.items()},
                 'loss_ci95': {name: mean_of_means_interval(values)[1] for name, values in sequences.items()},
                 'sequence_losses': sequences}
@@ -348,7 +350,9 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         for rope_dim, freq_fold in candidates[budget]:
             say(f'mla-zero: TransMLA at {budget}, a {rope_dim}-dim RoPE key, fold {freq_fold}')
             converted = transmla_conversion(budget, rope_dim, freq_fold)
-            scored = score_texts(f'TransMLA {budget} r{rope_dim} f{freq_fold}', converted['hf_folder'])
+            # the search reads validation alone; the fresh text is scored too, to show whether the choice carries
+            scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'],
+                                 ('validation', 'heldout_fresh'))
             search.append({'budget': budget, **converted['setting'], 'convert_s': converted['seconds'],
                            'hf_folder': converted['hf_folder'], 'loss': scored['loss'],
                            'loss_ci95': scored['loss_ci95']})
@@ -364,7 +368,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 what.insert(0, 'its defaults')
             label = (f"TransMLA {entry['qk_rope_head_dim']}-dim key, fold {entry['freq_fold']} "
                      f"({', '.join(what)}) {budget}")
-            scored = score(label, entry['hf_folder'])
+            scored = score(search_label(budget, entry['qk_rope_head_dim'], entry['freq_fold']), entry['hf_folder'])
             rows.append({'label': label, 'row': 'transmla', 'budget': budget,
                          'numbers': round(FRACTIONS[budget] * numbers),
                          **{key: entry[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'checkout',
@@ -409,6 +413,11 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     print_table(results)
     print(f'  results.json in {runs}')
     return results
+
+
+def search_label(budget: str, rope_dim: int, freq_fold: int) -> str:
+    """The stage name of a TransMLA setting's scores (its search entry and its row share them)."""
+    return f'TransMLA {budget} r{rope_dim} f{freq_fold}'
 
 
 def slug(label: str) -> str:
