@@ -22,7 +22,9 @@
   local checkout, TransMLA's own converter) at a third and two thirds of SmolLM2-135M's cache, scored on a validation
   text and two held-out texts that no conversion calibrated on, with piqa / arc_easy and per-layer errors;
 - ``fusion``: DHA's Fusion on ``real``'s source under a grid of fusion and multiplier learning rates: L_fusion per
-  batch, whether it reaches its threshold, and the baked model's loss on a validation text (issue 46).
+  batch, whether it reaches its threshold, and the baked model's loss on a validation text (issue 46);
+- ``tokens``: held-out loss against training tokens for DHA, mean-pool GQA CT and mean-pool GQA healed then CT, over
+  seeds, on the quickstart teacher, and the tokens each GQA arm needs to reach DHA's loss (issue 46).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from dha_train.commands.bench.real.tables import print_tables
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
+from dha_train.commands.bench.tokens import TokenBenchSettings, run_token_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -270,6 +273,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fusion.add_argument('--source', default=fusion_defaults.source)
     fusion.add_argument('--seed', type=int, default=fusion_defaults.seed)
     fusion.set_defaults(func=run_fusion)
+    tokens = bench.add_parser('tokens', help='held-out loss against training tokens for DHA, mean-pool GQA CT and '
+                              'mean-pool GQA healed then CT, over seeds, on the quickstart teacher at 25%% of its K+V '
+                              'cache; the tokens each GQA arm needs to reach DHA\'s loss, with intervals')
+    token_defaults = TokenBenchSettings()
+    tokens.add_argument('--run', default=token_defaults.run, help='the quickstart run folder (made or reused)')
+    tokens.add_argument('--out', default=None, help='folder for results.json and tokens.png (default: '
+                        '<run>/bench_tokens)')
+    tokens.add_argument('--seeds', type=int, nargs='+', default=list(token_defaults.seeds))
+    tokens.add_argument('--ct-batches', dest='ct_batches', type=int, default=token_defaults.ct_batches,
+                        help='CT batches of DHA and of the healed model (default: %(default)s)')
+    tokens.add_argument('--gqa-batches', dest='gqa_batches', type=int, default=token_defaults.gqa_batches,
+                        help='CT batches of mean-pool GQA (default: %(default)s)')
+    tokens.add_argument('--heal-batches', dest='heal_batches', type=int, default=token_defaults.heal_batches,
+                        help='attention transfer batches, and as many of KL distillation (default: %(default)s)')
+    tokens.add_argument('--eval-every', dest='eval_every', type=int, default=token_defaults.eval_every)
+    tokens.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
+    tokens.set_defaults(func=run_tokens)
     speed = bench.add_parser('eval-speed', help="evaluation throughput: lm-eval's HFLM against the context-sharing "
                              'scorer `eval` uses, per task, on one model (scores checked equal)')
     speed_defaults = EvalSpeedSettings()
@@ -366,6 +386,12 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_fusion(args: argparse.Namespace) -> int:
     run_fusion_bench(FusionBenchSettings(**{name: getattr(args, name) for name in FusionBenchSettings.__dataclass_fields__
                                             if hasattr(args, name)}))
+    return 0
+
+
+def run_tokens(args: argparse.Namespace) -> int:
+    run_token_bench(TokenBenchSettings(**{name: getattr(args, name) for name in TokenBenchSettings.__dataclass_fields__
+                                          if hasattr(args, name)}))
     return 0
 
 
