@@ -241,3 +241,10 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     # run again: every stage is reused, the figures are the same
     again = run_mla_zero_bench(settings)
     assert [row['loss'] for row in again['rows']] == [row['loss'] for row in results['rows']]
+    # fewer texts and no tasks: the same scores for the texts kept (each text its own stage), no accuracy
+    with pytest.raises(ConfigError, match='needs validation'):
+        run_mla_zero_bench(replace(settings, texts=('heldout_fresh',)))
+    narrow = run_mla_zero_bench(replace(settings, texts=('validation', 'heldout_fresh'), tasks=()))
+    for row, full in zip(narrow['rows'], results['rows'], strict=True):
+        assert row['loss'] == {text: full['loss'][text] for text in ('validation', 'heldout_fresh')}
+        assert row['accuracy'] == {} and row['layer_errors'] == full['layer_errors']

@@ -45,6 +45,7 @@ from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
 from dha_train.commands.bench.mla_zero import ROWS as MLA_ZERO_ROWS
+from dha_train.commands.bench.mla_zero import TEXTS as MLA_ZERO_TEXTS
 from dha_train.commands.bench.mla_zero import MlaZeroSettings, run_mla_zero_bench
 from dha_train.commands.bench.moh import SECTIONS as MOH_SECTIONS
 from dha_train.commands.bench.moh import run_moh_bench
@@ -246,7 +247,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help='tokens scored on the validation, book and fresh texts')
     zero.add_argument('--tokens', type=int, default=zero_defaults.tokens, help='calibration tokens of every row')
     zero.add_argument('--limit', type=int, default=zero_defaults.limit, help='first N documents of each task')
-    zero.add_argument('--tasks', nargs='+', default=list(zero_defaults.tasks))
+    zero.add_argument('--tasks', nargs='*', default=list(zero_defaults.tasks), help='lm-eval tasks (none: no '
+                      'accuracy columns)')
+    zero.add_argument('--texts', nargs='+', default=list(zero_defaults.texts), choices=list(MLA_ZERO_TEXTS),
+                      help='the texts scored (default: all)')
     zero.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])
     zero.add_argument('--source', default=zero_defaults.source)
     zero.add_argument('--seed', type=int, default=zero_defaults.seed)

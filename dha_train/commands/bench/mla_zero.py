@@ -97,6 +97,7 @@ class MlaZeroSettings:
     transmla_folds: Sequence[int] = (2, 4, 8)  # and its FreqFolds
     tokens: int = 16384  # calibration tokens of every row
     text_tokens: int = 16384  # tokens scored on the validation text, the book and the fresh text
+    texts: Sequence[str] = TEXTS  # the texts scored (TransMLA's search needs validation)
     text_seq_len: int = 512
     limit: int = 200
     tasks: Sequence[str] = ('piqa', 'arc_easy')
@@ -214,6 +215,11 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                           f'{list(settings.rows)} and {list(settings.budgets)}')
     if settings.tokens < 1 or settings.limit < 1 or settings.text_tokens < settings.text_seq_len:
         raise ConfigError('bench mla-zero: --tokens and --limit must be >= 1, --text-tokens at least one sequence')
+    if not set(settings.texts) <= set(TEXTS) or not settings.texts:
+        raise ConfigError(f'bench mla-zero: --texts must be among {", ".join(TEXTS)}, got {list(settings.texts)}')
+    if 'transmla' in settings.rows and settings.transmla and 'validation' not in settings.texts:
+        raise ConfigError('bench mla-zero: TransMLA\'s setting is chosen on the validation text: --texts needs '
+                          'validation')
     transmla = Path(settings.transmla).resolve() if settings.transmla else None
     if transmla is not None:
         check_transmla(transmla)
@@ -230,7 +236,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     runner = StageRunner(real, work, source, digest, train_data, heldout)
     runs = work / 'mla_zero'
 
-    texts = {'heldout_doc': heldout}
+    texts = {'heldout_doc': heldout} if 'heldout_doc' in settings.texts else {}
     notes = {'heldout_doc': data['heldout']['source'], 'calibration': data['train']['source']}
     for name, given, default, what in (
             ('validation', settings.validation, VALIDATION_GLOB,
@@ -239,6 +245,9 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
              'a book, held out from training and choosing; read during the latent-norm redesign'),
             ('heldout_fresh', settings.fresh, DEFAULT_FRESH_GLOB,
              'held out, and nothing in the project was designed, tuned or chosen on it')):
+        if name not in settings.texts:
+            notes[name] = 'not scored in this run (--texts)'
+            continue
         files = text_files(given or default)
         if not files:
             if given:
@@ -330,14 +339,15 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     def score(label: str, folder: str) -> dict:
         """The texts, the tasks and the per-layer attention errors."""
         def build(out: Path) -> dict:
-            result = run_eval(folder, tasks=list(settings.tasks), num_fewshot=0, limit=settings.limit, out=out,
-                              include=list(settings.include),
-                              batch_size=real.eval_batch_size, device=real.device, name=label, seed=settings.seed)
+            scores = {} if not settings.tasks else run_eval(
+                folder, tasks=list(settings.tasks), num_fewshot=0, limit=settings.limit, out=out,
+                include=list(settings.include), batch_size=real.eval_batch_size, device=real.device, name=label,
+                seed=settings.seed)['scores']
             model, _ = load_model(folder, device=real.device)
             teacher, _ = load_model(source, device=real.device)
             probe = _probe_batch(heldout)
             errors = attention_output_errors(teacher, model, probe.to(real.device))
-            accuracy = {task: (headline(result['scores'].get(task, {})) or (None, None))[1] for task in settings.tasks}
+            accuracy = {task: (headline(scores.get(task, {})) or (None, None))[1] for task in settings.tasks}
             return {'accuracy': accuracy, 'layer_errors': errors}
         tasks = runner.stage(runs / 'eval', slug(label), build, model=folder, tasks=list(settings.tasks),
                              include=list(map(str, settings.include)), limit=settings.limit)
@@ -352,7 +362,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             converted = transmla_conversion(budget, rope_dim, freq_fold)
             # the search reads validation alone; the fresh text is scored too, to show whether the choice carries
             scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'],
-                                 ('validation', 'heldout_fresh'))
+                                 [text for text in ('validation', 'heldout_fresh') if text in settings.texts])
             search.append({'budget': budget, **converted['setting'], 'convert_s': converted['seconds'],
                            'hf_folder': converted['hf_folder'], 'loss': scored['loss'],
                            'loss_ci95': scored['loss_ci95']})
@@ -378,6 +388,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
 
     results = {'source': {'folder': str(source), 'sha256': digest, 'cached_numbers_per_token_per_layer': numbers},
                'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
+                                            'texts': list(settings.texts),
                                             'rows': list(settings.rows), 'tasks': list(settings.tasks)},
                'rows': []}
     def save() -> None:  # after every row, so a stopped run leaves what it measured
