@@ -170,18 +170,22 @@ def tokenize_documents(documents: list[tuple[str, dict]], out: Path, tokenizer: 
 
 
 def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *, seed: int, tokens: int,
-                seq_len: int) -> Path:
+                seq_len: int, max_document_chars: int | None = None) -> Path:
     """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``tokens`` (a stage of
-    ``runner``, reused when run again): a text some bench scores on and no stage trains on."""
+    ``runner``, reused when run again): a text some bench scores on and no stage trains on. ``max_document_chars``
+    keeps each document's first that many characters, so the split's sequences come from more documents (a few
+    long ones would fill it alone, and their sequences are not independent samples of the text)."""
 
     def build(out: Path) -> dict:
-        documents = text_documents(files, seed=seed)
+        documents = [(text[:max_document_chars], meta) for text, meta in text_documents(files, seed=seed)]
         if not documents:
             raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod files of 2,000+ characters) in {where}')
         domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens)
         return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val']}
 
     reads = {'where': where, 'files': [str(p) for p in files], 'tokens': tokens, 'seq_len': seq_len, 'seed': seed}
+    if max_document_chars is not None:
+        reads['max_document_chars'] = max_document_chars
     return Path(runner.stage(runner.work, f'data-{name}', build, **reads)['root'])
 
 

@@ -98,6 +98,9 @@ class MlaZeroSettings:
     tokens: int = 16384  # calibration tokens of every row
     text_tokens: int = 16384  # tokens scored on the validation text, the book and the fresh text
     texts: Sequence[str] = TEXTS  # the texts scored (TransMLA's search needs validation)
+    # each document's first characters only (about 1,000 tokens), so a text's sequences come from a dozen documents
+    # or more, not the three or four longest (None: whole documents, as the 2026-11-27 rows were made)
+    max_document_chars: int | None = 4096
     text_seq_len: int = 512
     limit: int = 200
     tasks: Sequence[str] = ('piqa', 'arc_easy')
@@ -255,7 +258,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             notes[name] = f'left out: nothing at {default} ({what}; give it with --{name.split("_")[-1]})'
             continue
         texts[name] = text_folder(runner, name.replace('_', '-'), given or default, files, seed=settings.seed,
-                                  tokens=settings.text_tokens, seq_len=settings.text_seq_len)
+                                  tokens=settings.text_tokens, seq_len=settings.text_seq_len,
+                                  max_document_chars=settings.max_document_chars)
         notes[name] = f'{given or default} ({what})'
 
     config = model_config(source)
