@@ -297,19 +297,32 @@ def mla_zero_problems(markdown: str) -> list[str]:
 
 def test_a_row_added_to_or_dropped_from_the_mla_zero_table_fails():
     markdown = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
-    row = next(line for line in markdown.splitlines() if line.startswith('| TransMLA kv1 |'))
+    row = next(line for line in markdown.splitlines() if line.startswith('| TransMLA '))
     assert mla_zero_problems(markdown.replace(row + '\n', '', 1)) != []
-    assert mla_zero_problems(markdown.replace(row, row + '\n' + row.replace('TransMLA', 'TransMLA 32-dim'), 1)) != []
+    assert mla_zero_problems(markdown.replace(row, row + '\n' + row.replace('TransMLA', 'TransMLA 16-dim'), 1)) != []
 
 
-@pytest.mark.parametrize('bench, row_start, cell, decimals', [('mla-zero', '| TransMLA kv1 |', 2, 3),
+@pytest.mark.parametrize('bench, row_start, cell, decimals', [('mla-zero', '| DeepSeek layout kv1 |', 2, 3),
                                                                ('fusion', '| 16 batches, omega lr 0.1, lambda lr 1000, margin 0 |', 2, 4)])
 def test_an_edited_bench_table_figure_fails(bench, row_start, cell, decimals):
     markdown = (REPO / BENCH_TABLES[bench][0]).read_text()
     row = next(line for line in markdown.splitlines() if line.startswith(row_start))
     cells = row.split(' | ')
-    cells[cell] = f'{float(cells[cell]) + 10 ** -decimals:.{decimals}f}'
+    figure, _, interval = cells[cell].partition(' ')  # a figure may carry its interval: '4.258 ± 0.050'
+    cells[cell] = f'{float(figure) + 10 ** -decimals:.{decimals}f}' + (f' {interval}' if interval else '')
     assert bench_table_problems(bench, markdown.replace(row, ' | '.join(cells))) != []
+
+
+@pytest.mark.parametrize('table', ['search_table', 'paired_table'])
+def test_transmlas_search_and_the_paired_differences_on_the_page_are_the_bench_output(table):
+    from dha_train.commands.bench import mla_zero
+
+    results = json.loads((RESULTS / 'mla_zero.json').read_text())
+    markdown = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
+    generated = getattr(mla_zero, table)(results)
+    assert table_problems(markdown, generated, 'docs/benchmarks/quality.md') == []
+    first = generated.splitlines()[2]
+    assert table_problems(markdown.replace(first, first.replace('|', '| x', 1)), generated, 'quality.md') != []
 
 
 def eval_speed_problems(markdown: str) -> list[str]:

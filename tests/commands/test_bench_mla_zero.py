@@ -208,7 +208,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     assert search[0]['loss']['validation'] < min(e['loss']['validation'] for e in search[1:])
     assert rows[chosen]['chosen_on'] == 'validation' and rows[chosen]['kv_lora_rank'] == numbers_at_kv1(4)
     # its row is the searched model, scored the same way: the search's texts, then the rest
-    assert set(search[0]['loss']) == {'validation', 'heldout_fresh'}
+    assert set(search[0]['loss']) == {'validation'}
     assert {text: rows[chosen]['loss'][text] for text in search[0]['loss']} == search[0]['loss']
     # the project's rows against TransMLA's chosen setting, on every text, each difference from the sequences
     paired = {(e['row'], e['text']): e for e in results['paired']}

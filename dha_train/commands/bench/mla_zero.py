@@ -23,8 +23,8 @@ Rows per budget (``kv1``: a third of the source's K+V numbers per token, ``kv2``
   a subprocess; only its data loading is replaced, by the same calibration sequences), its latent rank the budget
   less its RoPE key. It gets the tuning the project's defaults had: every RoPE key width of
   ``--transmla-rope-dims`` (16, 32, 64) with every FreqFold of ``--transmla-folds`` (2, 4, 8) that its converter
-  accepts (the fold a multiple of head_dim / width) is converted and scored on the texts (``transmla_search``); the
-  setting with the lowest validation loss is its row, with its defaults (a 64-dim key, fold 4, as its scripts run
+  accepts (the fold a multiple of head_dim / width) is converted and scored on the validation text
+  (``transmla_search``); the setting with the lowest validation loss is its row, with its defaults (a 64-dim key, fold 4, as its scripts run
   it) as a second row when they were not chosen. Left out when no checkout is given.
 
 Columns: the loss on each text (the mean of its sequences' losses, with a 95% interval over sequences), accuracy (acc_norm) on the first ``--limit`` validation documents of piqa and
@@ -364,9 +364,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         for rope_dim, freq_fold in candidates[budget]:
             say(f'mla-zero: TransMLA at {budget}, a {rope_dim}-dim RoPE key, fold {freq_fold}')
             converted = transmla_conversion(budget, rope_dim, freq_fold)
-            # the search reads validation alone; the fresh text is scored too, to show whether the choice carries
-            scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'],
-                                 [text for text in ('validation', 'heldout_fresh') if text in settings.texts])
+            # the search reads validation alone (its row is scored on the other texts after)
+            scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'], ('validation',))
             search.append({'budget': budget, **converted['setting'], 'convert_s': converted['seconds'],
                            'hf_folder': converted['hf_folder'], 'loss': scored['loss'],
                            'loss_ci95': scored['loss_ci95']})
