@@ -149,12 +149,16 @@ def check_transmla(checkout: Path) -> Path:
 
 
 def run_transmla(checkout: Path, python: str, source: Path, sequences: Path, out: Path, rank: int,
-                 rope_dim: int, freq_fold: int) -> None:
+                 rope_dim: int, freq_fold: int, reference: Path) -> None:
     """TransMLA's ``converter.main`` in a subprocess (its modules import each other by bare name, and it copies
-    modeling files by paths relative to its folder), fed ``sequences`` as its calibration loader."""
+    modeling files by paths relative to its folder), fed ``sequences`` as its calibration loader. Then, in the same
+    subprocess, its converted model through its own classes, taken from the checkout (never from the folder it
+    wrote): the logits of the first two calibration rows, saved to ``reference``, which ``adopt_transmla`` must
+    reproduce."""
     folder = check_transmla(checkout)
+    classes = folder / 'transmla' / 'transformers'
     program = f'''
-import argparse, sys, torch
+import argparse, shutil, sys, torch
 sys.path.insert(0, {str(folder / 'transmla')!r})
 import converter
 ids = torch.load({str(sequences)!r})
@@ -166,11 +170,93 @@ converter.main(argparse.Namespace(
     cal_nsamples=len(ids), cal_batch_size=step, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
     freqfold='{freq_fold}', collapse='auto', qk_mqa_dim={rope_dim}, q_lora_rank=None,
     kv_lora_rank={rank}, balance_kv_ratio=1.0, use_qkv_norm=False, deepseek_style=False))
+# its classes as one package, copied from the checkout
+import pathlib
+package = pathlib.Path({str(reference.parent / 'transmla_classes')!r})
+package.mkdir(exist_ok=True)
+(package / '__init__.py').write_text('')
+for name in ('llama/configuration_llamamla.py', 'llama/modeling_llamamla.py', 'mla.py'):
+    shutil.copy(pathlib.Path({str(classes)!r}) / name, package)
+sys.path.insert(0, str(package.parent))
+from transmla_classes.configuration_llamamla import LlamaMLAConfig
+from transmla_classes.modeling_llamamla import LlamaMLAForCausalLM
+config = LlamaMLAConfig.from_pretrained({str(out)!r})
+model = LlamaMLAForCausalLM.from_pretrained({str(out)!r}, config=config, torch_dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = model(input_ids=ids[:2]).logits
+torch.save({{'input_ids': ids[:2], 'logits': logits}}, {str(reference)!r})
+shutil.rmtree(package)
 '''
     done = subprocess.run([python, '-c', program], cwd=folder, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f'bench mla-zero: TransMLA\'s converter failed (exit {done.returncode}):\n'
                            f'{done.stderr[-3000:]}')
+
+
+def transmla_deepseek_config(source_config, transmla: dict):
+    """The ``DeepseekV3Config`` transformers' own class computes TransMLA's model with, once its latent norm is set
+    aside (``set_latent_norm_aside``): the source's sizes, dense MLPs, TransMLA's latent and RoPE widths, its RoPE
+    base, interleaved RoPE (its attention rotates interleaved pairs). Only numbers are read from its config."""
+    from transformers import DeepseekV3Config
+
+    numbers = {key: transmla[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim',
+                                              'rope_theta', 'rms_norm_eps')}
+    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in numbers.values()) or (
+            transmla.get('q_lora_rank') is not None or transmla.get('rope_scaling') is not None):
+        raise RuntimeError(f'bench mla-zero: TransMLA wrote a config this bench does not read: {numbers}, '
+                           f'q_lora_rank {transmla.get("q_lora_rank")!r}, rope_scaling {transmla.get("rope_scaling")!r}')
+    c = source_config
+    return DeepseekV3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads, n_shared_experts=1,
+        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+        first_k_dense_replace=c.num_hidden_layers, q_lora_rank=None, hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings, rope_scaling=None, rope_interleave=True,
+        attention_bias=False, attention_dropout=c.attention_dropout, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        initializer_range=c.initializer_range, torch_dtype='float32', **numbers)
+
+
+def set_latent_norm_aside(model) -> None:
+    """Each layer's latent norm replaced by the identity: TransMLA's latent has none (``use_qkv_norm`` off, as its
+    scripts run it)."""
+    for layer in model.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+
+
+def adopt_transmla(written: Path, out: Path, source: Path, reference: Path, tolerance: float = 1e-3) -> dict:
+    """TransMLA's folder as one this project loads without its code: our config (``transmla_deepseek_config``), its
+    weights with a unit latent-norm weight per layer (set aside when scored), the source's tokenizer. The model is
+    checked against TransMLA's own: the largest logit difference on the reference rows must be under ``tolerance``
+    (float32), or the bench stops."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dha_train.model_folders import load_model_config
+
+    transmla = json.loads((written / 'config.json').read_text())
+    config = transmla_deepseek_config(load_model_config(source, who='bench mla-zero'), transmla)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    weights = load_file(str(written / 'model.safetensors'))
+    for layer in range(config.num_hidden_layers):
+        weights[f'model.layers.{layer}.self_attn.kv_a_layernorm.weight'] = torch.ones(config.kv_lora_rank)
+    save_file(weights, str(out / 'model.safetensors'), metadata={'format': 'pt'})
+    for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    model, _ = load_model(out)
+    set_latent_norm_aside(model)
+    expected = torch.load(reference)
+    with torch.no_grad():
+        logits = model(input_ids=expected['input_ids']).logits
+    difference = float((logits - expected['logits']).abs().max())
+    if not difference < tolerance:
+        raise RuntimeError(f'bench mla-zero: {out} does not compute TransMLA\'s model: its logits differ from '
+                           f'TransMLA\'s own by up to {difference:.3g} (tolerance {tolerance})')
+    return {'reference_max_abs_logit_difference': difference}
 
 
 def transmla_candidates(head_dim: int, rope_dims: Sequence[int], folds: Sequence[int],
@@ -319,43 +405,52 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             sequences = out / 'calibration.pt'
             rows = calibration_sequences(source, train_data, settings.tokens, CALIBRATION_BATCH, settings.seed)
             torch.save(rows, sequences)
-            run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank, rope_dim, freq_fold)
-            return {'hf_folder': str(out / 'hf'), 'setting': {
+            run_transmla(transmla, settings.transmla_python, source, sequences, out / 'hf', rank, rope_dim, freq_fold,
+                         out / 'reference.pt')
+            check = adopt_transmla(out / 'hf', out / 'adopted', source, out / 'reference.pt')
+            return {'hf_folder': str(out / 'adopted'), 'setting': {
                 'kv_lora_rank': rank, 'qk_rope_head_dim': rope_dim, 'freq_fold': freq_fold,
-                'checkout': str(transmla)}}
-        reads = {'checkout': str(transmla), 'rank': rank, 'rope_dim': rope_dim, 'freq_fold': freq_fold, **calibration}
+                'checkout': str(transmla), **check}}
+        reads = {'checkout': str(transmla), 'rank': rank, 'rope_dim': rope_dim, 'freq_fold': freq_fold,
+                 'adopted': 'deepseek_v3, latent norm set aside, checked against its own classes', **calibration}
         return runner.stage(runs, f'transmla-{budget}-r{rope_dim}-f{freq_fold}', build, **reads)
 
-    def score_texts(label: str, folder: str, names: Sequence[str] = TEXTS) -> dict:
+    def load(folder: str, latent_norm: bool):
+        model, tokenizer = load_model(folder, device=real.device)
+        if not latent_norm:
+            set_latent_norm_aside(model)
+        return model, tokenizer
+
+    def score_texts(label: str, folder: str, names: Sequence[str] = TEXTS, latent_norm: bool = True) -> dict:
         """The loss of every sequence of each text of ``names`` (one stage a text, so a model scored on some texts
-        is scored on the rest without repeating them)."""
+        is scored on the rest without repeating them). ``latent_norm=False``: TransMLA's models."""
         sequences = {}
         for name in (name for name in names if name in texts):
             def build(out: Path, root=texts[name]) -> dict:
-                model, tokenizer = load_model(folder, device=real.device)
+                model, tokenizer = load(folder, latent_norm)
                 return {'sequence_losses': sequence_losses(model, tokenizer, root, batch_size=8, device=real.device)}
             sequences[name] = runner.stage(runs / 'texts', f'{slug(label)}-{name}', build, model=folder,
-                                           text=str(texts[name]))['sequence_losses']
+                                           text=str(texts[name]), latent_norm=latent_norm)['sequence_losses']
         return {'loss': {name: domain_means(values)['mean'] for name, values in sequences.items()},
                 'loss_ci95': {name: mean_of_means_interval(values)[1] for name, values in sequences.items()},
                 'sequence_losses': sequences}
 
-    def score(label: str, folder: str) -> dict:
+    def score(label: str, folder: str, latent_norm: bool = True) -> dict:
         """The texts, the tasks and the per-layer attention errors."""
         def build(out: Path) -> dict:
             scores = {} if not settings.tasks else run_eval(
                 folder, tasks=list(settings.tasks), num_fewshot=0, limit=settings.limit, out=out,
                 include=list(settings.include), batch_size=real.eval_batch_size, device=real.device, name=label,
                 seed=settings.seed)['scores']
-            model, _ = load_model(folder, device=real.device)
+            model, _ = load(folder, latent_norm)
             teacher, _ = load_model(source, device=real.device)
             probe = _probe_batch(heldout)
             errors = attention_output_errors(teacher, model, probe.to(real.device))
             accuracy = {task: (headline(scores.get(task, {})) or (None, None))[1] for task in settings.tasks}
             return {'accuracy': accuracy, 'layer_errors': errors}
         tasks = runner.stage(runs / 'eval', slug(label), build, model=folder, tasks=list(settings.tasks),
-                             include=list(map(str, settings.include)), limit=settings.limit)
-        return {**score_texts(label, folder), 'accuracy': tasks['accuracy'], 'layer_errors': tasks['layer_errors']}
+                             include=list(map(str, settings.include)), limit=settings.limit, latent_norm=latent_norm)
+        return {**score_texts(label, folder, latent_norm=latent_norm), 'accuracy': tasks['accuracy'], 'layer_errors': tasks['layer_errors']}
 
     def transmla_rows(budget: str) -> list[dict]:
         """Every accepted (width, fold) converted and scored on the texts; the lowest on validation, and TransMLA's
@@ -365,7 +460,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             say(f'mla-zero: TransMLA at {budget}, a {rope_dim}-dim RoPE key, fold {freq_fold}')
             converted = transmla_conversion(budget, rope_dim, freq_fold)
             # the search reads validation alone (its row is scored on the other texts after)
-            scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'], ('validation',))
+            scored = score_texts(search_label(budget, rope_dim, freq_fold), converted['hf_folder'], ('validation',),
+                                 latent_norm=False)
             search.append({'budget': budget, **converted['setting'], 'convert_s': converted['seconds'],
                            'hf_folder': converted['hf_folder'], 'loss': scored['loss'],
                            'loss_ci95': scored['loss_ci95']})
@@ -381,11 +477,12 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 what.insert(0, 'its defaults')
             label = (f"TransMLA {entry['qk_rope_head_dim']}-dim key, fold {entry['freq_fold']} "
                      f"({', '.join(what)}) {budget}")
-            scored = score(search_label(budget, entry['qk_rope_head_dim'], entry['freq_fold']), entry['hf_folder'])
+            scored = score(search_label(budget, entry['qk_rope_head_dim'], entry['freq_fold']), entry['hf_folder'],
+                           latent_norm=False)
             rows.append({'label': label, 'row': 'transmla', 'budget': budget,
                          'numbers': round(FRACTIONS[budget] * numbers),
                          **{key: entry[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'checkout',
-                                                         'convert_s')},
+                                                         'convert_s', 'reference_max_abs_logit_difference')},
                          **({'chosen_on': 'validation'} if entry is best else {}), **scored})
         return rows
 
