@@ -1,11 +1,13 @@
 """`dha-train bench mla-zero` and what it is built from: per-layer attention errors that isolate each layer, the
 calibration sequences TransMLA is fed (the ones the project's conversions calibrate on), the text folders, TransMLA's
-settings search, and a small run on a tiny GQA LLaMA (TransMLA's converter stood in by a checkout whose converter
-perturbs the source by an amount set by its width and fold)."""
+settings search, the adoption of its folder without its code, and a small run on a tiny GQA LLaMA (TransMLA stood in by
+a checkout whose converter writes a DeepSeek-layout model without latent norm, sharper the further its width and fold
+are from 4 and 2, and whose own classes compute that model)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import replace
 
@@ -17,11 +19,13 @@ from dha_train.bench_runner import text_documents, text_files
 from dha_train.calibration import calibrate, calibration_batches
 from dha_train.commands.bench.mla_zero import (
     MlaZeroSettings,
+    adopt_transmla,
     calibration_sequences,
     check_transmla,
     choose_on_validation,
     paired_rows,
     run_mla_zero_bench,
+    run_transmla,
     transmla_candidates,
 )
 from dha_train.config import ConfigError
@@ -144,12 +148,16 @@ def test_paired_rows_are_each_row_minus_the_reference_on_the_same_sequences():
     assert -0.4 <= low <= -0.25 <= high <= -0.1
 
 
-FAKE_TRANSMLA = """
+# A stand-in for TransMLA's checkout: its converter writes a DeepseekV3-layout model with no latent norm and
+# TransMLA's config keys (auto_map to its own modeling file, qk_latent_layernorm off), its sharpness set by the width
+# and fold (the closer to a 4-dim key with fold 2, the lower the loss); its "own classes" compute that model.
+FAKE_CONVERTER = """
+import json
 import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
 
 get_dataset_loader = None  # the bench replaces it with its calibration rows
 
@@ -157,18 +165,76 @@ get_dataset_loader = None  # the bench replaces it with its calibration rows
 def main(args):
     batches, _ = get_dataset_loader(None)
     assert sum(len(batch['input_ids']) for batch in batches) == args.cal_nsamples
-    model = AutoModelForCausalLM.from_pretrained(args.model_path)
-    # a worse model the further the setting is from a 4-dim key with fold 2
-    scale = 0.05 * abs(args.qk_mqa_dim - 4) + 0.02 * int(args.freqfold)
-    generator = torch.Generator().manual_seed(0)
+    source = LlamaConfig.from_pretrained(args.model_path)
+    config = DeepseekV3Config(
+        vocab_size=source.vocab_size, hidden_size=source.hidden_size, intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers, num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_attention_heads, n_routed_experts=1, n_shared_experts=1, num_experts_per_tok=1,
+        n_group=1, topk_group=1, first_k_dense_replace=source.num_hidden_layers, kv_lora_rank=args.kv_lora_rank,
+        q_lora_rank=None, qk_rope_head_dim=args.qk_mqa_dim, qk_nope_head_dim=source.head_dim,
+        v_head_dim=source.head_dim, rope_theta=source.rope_theta, rms_norm_eps=source.rms_norm_eps,
+        max_position_embeddings=source.max_position_embeddings, tie_word_embeddings=source.tie_word_embeddings,
+        rope_interleave=True, rope_scaling=None)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config)
+    for layer in model.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+        model.model.norm.weight.fill_(1 + 100 * (0.05 * abs(args.qk_mqa_dim - 4) + 0.02 * int(args.freqfold)))
     model.save_pretrained(args.save_path)
+    written = json.loads((Path(args.save_path) / 'config.json').read_text())
+    written.update(auto_map={'AutoConfig': 'configuration_llamamla.LlamaMLAConfig',
+                             'AutoModelForCausalLM': 'modeling_llamamla.LlamaMLAForCausalLM'},
+                   qk_latent_layernorm=False, architectures=['LlamaMLAForCausalLM'])
+    (Path(args.save_path) / 'config.json').write_text(json.dumps(written))
     for name in Path(args.model_path).iterdir():
         if name.name.startswith(('tokenizer', 'special_tokens')):
             shutil.copy(name, args.save_path)
 """
+FAKE_MODELING = """
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+
+class LlamaMLAForCausalLM(DeepseekV3ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+"""
+
+
+def write_fake_transmla(root):
+    package = root / 'transmla' / 'transmla'
+    (package / 'transformers' / 'llama').mkdir(parents=True)
+    (package / 'converter.py').write_text(FAKE_CONVERTER)
+    (package / 'transformers' / 'llama' / 'configuration_llamamla.py').write_text(
+        'from transformers import DeepseekV3Config as LlamaMLAConfig\n')
+    (package / 'transformers' / 'llama' / 'modeling_llamamla.py').write_text(FAKE_MODELING)
+    (package / 'transformers' / 'mla.py').write_text('')
+    return root
+
+
+def test_transmlas_folder_is_adopted_without_its_code_and_checked_against_its_own_classes(tmp_path, tokenizer_dir):
+    import sys
+
+    source = save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
+    checkout = write_fake_transmla(tmp_path / 'checkout')
+    sequences = tmp_path / 'calibration.pt'
+    torch.save(torch.randint(0, 384, (4, 16), generator=torch.Generator().manual_seed(0)), sequences)
+    run_transmla(checkout, sys.executable, source, sequences, tmp_path / 'written', rank=12, rope_dim=4, freq_fold=2,
+                 reference=tmp_path / 'reference.pt')
+    assert 'auto_map' in json.loads((tmp_path / 'written' / 'config.json').read_text())
+    check = adopt_transmla(tmp_path / 'written', tmp_path / 'adopted', source, tmp_path / 'reference.pt')
+    assert check['reference_max_abs_logit_difference'] < 1e-5
+    adopted = json.loads((tmp_path / 'adopted' / 'config.json').read_text())
+    assert 'auto_map' not in adopted and adopted['kv_lora_rank'] == 12 and adopted['qk_rope_head_dim'] == 4
+    assert not list((tmp_path / 'adopted').glob('*.py'))
+    # a reference its model does not compute (here: another model's logits) stops the bench
+    reference = torch.load(tmp_path / 'reference.pt')
+    torch.save({**reference, 'logits': reference['logits'] * 1.01}, tmp_path / 'reference.pt')
+    with pytest.raises(RuntimeError, match="does not compute TransMLA's model"):
+        adopt_transmla(tmp_path / 'written', tmp_path / 'again', source, tmp_path / 'reference.pt')
 
 
 def numbers_at_kv1(rope_dim: int) -> int:
@@ -184,8 +250,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
         (tmp_path / name).mkdir()
         for index in range(3):
             (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 400)
-    (tmp_path / 'transmla' / 'transmla').mkdir(parents=True)
-    (tmp_path / 'transmla' / 'transmla' / 'converter.py').write_text(FAKE_TRANSMLA)
+    write_fake_transmla(tmp_path / 'transmla')
     settings = MlaZeroSettings(
         out=str(tmp_path / 'bench'), budgets=('kv1',), rows=('deepseek', 'mean_pool_refit', 'transmla'),
         validation=str(tmp_path / 'validation'), book=str(tmp_path / 'book'), fresh=str(tmp_path / 'fresh'),
@@ -205,6 +270,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     search = results['transmla_search']
     assert [(e['qk_rope_head_dim'], e['freq_fold']) for e in search] == [(4, 2), (4, 4), (8, 2), (8, 4)]
     assert [e['chosen'] for e in search] == [True, False, False, False]
+    assert all(e['reference_max_abs_logit_difference'] < 1e-4 for e in search)  # each the converter's own model
     assert search[0]['loss']['validation'] < min(e['loss']['validation'] for e in search[1:])
     assert rows[chosen]['chosen_on'] == 'validation' and rows[chosen]['kv_lora_rank'] == numbers_at_kv1(4)
     # its row is the searched model, scored the same way: the search's texts, then the rest
