@@ -415,6 +415,9 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                  'adopted': 'deepseek_v3, latent norm set aside, checked against its own classes', **calibration}
         return runner.stage(runs, f'transmla-{budget}-r{rope_dim}-f{freq_fold}', build, **reads)
 
+    def norm_read(latent_norm: bool) -> dict:  # only a set-aside norm is a read: other stages keep their names
+        return {} if latent_norm else {'latent_norm': False}
+
     def load(folder: str, latent_norm: bool):
         model, tokenizer = load_model(folder, device=real.device)
         if not latent_norm:
@@ -430,7 +433,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 model, tokenizer = load(folder, latent_norm)
                 return {'sequence_losses': sequence_losses(model, tokenizer, root, batch_size=8, device=real.device)}
             sequences[name] = runner.stage(runs / 'texts', f'{slug(label)}-{name}', build, model=folder,
-                                           text=str(texts[name]), latent_norm=latent_norm)['sequence_losses']
+                                           text=str(texts[name]), **norm_read(latent_norm))['sequence_losses']
         return {'loss': {name: domain_means(values)['mean'] for name, values in sequences.items()},
                 'loss_ci95': {name: mean_of_means_interval(values)[1] for name, values in sequences.items()},
                 'sequence_losses': sequences}
@@ -449,7 +452,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             accuracy = {task: (headline(scores.get(task, {})) or (None, None))[1] for task in settings.tasks}
             return {'accuracy': accuracy, 'layer_errors': errors}
         tasks = runner.stage(runs / 'eval', slug(label), build, model=folder, tasks=list(settings.tasks),
-                             include=list(map(str, settings.include)), limit=settings.limit, latent_norm=latent_norm)
+                             include=list(map(str, settings.include)), limit=settings.limit,
+                             **norm_read(latent_norm))
         return {**score_texts(label, folder, latent_norm=latent_norm), 'accuracy': tasks['accuracy'], 'layer_errors': tasks['layer_errors']}
 
     def transmla_rows(budget: str) -> list[dict]:
