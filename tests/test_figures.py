@@ -82,18 +82,21 @@ def section_prose(markdown: str, heading: str) -> str:
 def readme_prose_figures() -> dict[str, str]:
     """The README's headline prose figures, each a phrase made from the results file it quotes."""
     rerun = {row['label']: row for run in rerun_runs() for row in run['rows']}
-    zero = {row['label']: row['loss'] for row in json.loads((RESULTS / 'mla_zero.json').read_text())['rows']}
+    zero = json.loads((RESULTS / 'mla_zero.json').read_text())
     serve = json.loads((RESULTS / 'bench_serve.json').read_text())
     at_8k = {row['model']: row for row in serve['rows'] if row['outtype'] == 'f16' and row['context'] == 8192}
     target = next(row for row in serve['targets'] if row['model'] == 'mean-pool 1/3' and row['outtype'] == 'f16')
 
-    def book(label: str) -> str:
-        return f"{zero[label]['heldout_book']:.3f}"
+    def fresh_gap(budget: str) -> str:  # the DeepSeek layout against TransMLA's chosen setting, on the fresh text
+        entry = next(entry for entry in zero['paired'] if entry['budget'] == budget and entry['text'] == 'heldout_fresh'
+                     and entry['row'] == f'DeepSeek layout {budget}')
+        low, high = entry['ci95']
+        return f"{entry['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
 
     return {
         'deepseek_rerun': deepseek_rerun_phrase(rerun),
-        'transmla': (f"the Rust book: {book('DeepSeek layout kv1')} against {book('TransMLA kv1')} at a third, "
-                     f"{book('DeepSeek layout kv2')} against {book('TransMLA kv2')} at two thirds"),
+        'transmla': (f"on a fresh held-out text (Perl's documentation), DeepSeek layout minus TransMLA: "
+                     f"{fresh_gap('kv1')} nats a token at a third, {fresh_gap('kv2')} at two thirds"),
         'serving': (f"mean-pool at a third holds {at_8k['mean-pool 1/3']['kv_ratio']:.3f}x the source's cache "
                     f"({at_8k['mean-pool 1/3']['kv_mib']:.0f} against {at_8k['source']['kv_mib']:.0f} MiB) and decodes "
                     f"at {at_8k['mean-pool 1/3']['decode_ratio']:.2f}x its tokens/s (target 1.5x: "
@@ -354,10 +357,8 @@ QUOTING_SECTIONS = {
                                     '3.8176', '3.8307'), 'probes of one sequence or one setting, run by hand')},
     ('docs/benchmarks/quality.md', '## MLA at 0 tokens against TransMLA'): {
         'files': ('mla_zero.json',),
-        'elsewhere': {'0.035': "an accuracy's half-width at 200 documents", '1.3': 'the 2026-11-27 ablation',
-                      '5.240': 'the 2026-11-27 ablation', '3.952': 'the 2026-11-27 ablation',
-                      '1.1': 'a difference from the earlier rows', '2.2': 'a difference from the earlier rows',
-                      '5.593': 'the earlier rows (history)', '5.419': 'the earlier rows (history)'}},
+        'elsewhere': {'5.36': "Perl's version, naming the fresh text",
+                      **dict.fromkeys(('0.686', '0.597'), "the table's mean layer error, a mean of the file's")}},
     ('docs/benchmarks/quality.md', '## On SmolLM2-135M'): {
         'files': ('bench_real.json',),
         'elsewhere': {'0.630': 'dha-train eval, by hand', '0.485': 'dha-train eval, by hand', '0.660': 'dha-train eval, by hand',

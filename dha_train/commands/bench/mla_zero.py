@@ -568,9 +568,9 @@ def markdown_table(results: dict) -> str:
     """The results as the docs quote them (``tests/test_figures.py`` checks the docs' copy against the results)."""
     texts = _texts(results['rows'])
     tasks = list(results['settings']['tasks'])
-    lines = ['| row | cached numbers / token / layer | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts) + ' | '
-             + ' | '.join(tasks) + ' | mean layer error | worst layer |',
-             '|' + ' --- |' * (4 + len(texts) + len(tasks))]
+    header = ['row', 'cached numbers / token / layer', *(TEXT_COLUMNS[t] for t in texts), *tasks,
+              'mean layer error', 'worst layer']
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + ' --- |' * len(header)]
     for row in results['rows']:
         errors = row['layer_errors']
         worst = max(range(len(errors)), key=errors.__getitem__)
