@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -230,14 +231,10 @@ def adopt_transmla(written: Path, out: Path, source: Path, reference: Path, tole
     weights with a unit latent-norm weight per layer (set aside when scored), the source's tokenizer. The model is
     checked against TransMLA's own: the largest logit difference on the reference rows must be under ``tolerance``
     (float32), or the bench stops."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
-    from dha_train.model_folders import load_model_config
-
     transmla = json.loads((written / 'config.json').read_text())
-    config = transmla_deepseek_config(load_model_config(source, who='bench mla-zero'), transmla)
+    config = transmla_deepseek_config(model_config(source), transmla)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     weights = load_file(str(written / 'model.safetensors'))
