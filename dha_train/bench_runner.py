@@ -29,12 +29,17 @@ from dha_train.export import export_hf
 from dha_train.harness import headline
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
-from dha_train.stages import BatchDigests, Stage, train_stage, train_tokens
+from dha_train.stages import BatchDigests, Stage, mean_eval_curve, train_stage, train_tokens
 
 HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
 HELDOUT_SOURCE = Path('/usr/share/doc')
 # /usr/share/doc folders about Python would overlap the training corpus (the stdlib's docstrings).
 _HELDOUT_SKIP = re.compile(r'python|pip|setuptools|numpy|scipy', re.IGNORECASE)
+# The texts benches score on besides /usr/share/doc, as file globs (``text_files``): vim's help files, the validation
+# text recipes and conversion defaults are chosen on (`bench fusion`, `bench mla-zero`); the Rust book's chapters (its
+# one-page print.html, which repeats every chapter, and its index pages left out), held out from training and choosing.
+VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
+BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
 _HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|thanks|history|usage|manual)',
                             re.IGNORECASE)
 
@@ -274,26 +279,30 @@ class StageRunner:
             f'device={"gpu" if s.device == "cuda" else "cpu"}', f'seed={s.seed if seed is None else seed}']
 
     def train(self, name: str, recipe: str, steps: int, seed: int | None = None, fsdp: bool = False,
-              then=None, **variables) -> dict:
+              then=None, extra: Sequence[str] = (), keep_model: bool = True, **variables) -> dict:
         """The stage ``name``: one recipe run of ``steps`` batches (``seed``, default the bench's, also orders the
-        batches drawn), exported to ``<stage>/hf``, its checkpoints removed after. The result has the export, the
-        tokens trained and a digest of each batch; ``then(trainer, out)`` adds to it. ``fsdp`` keeps the recipe's
-        FSDP2 (one rank)."""
-        overrides = self.overrides(name, steps, seed, **variables)
+        batches drawn), exported to ``<stage>/hf`` (unless ``keep_model`` is false), its checkpoints removed after.
+        The result has the export, the tokens trained, a digest of each batch and, when the run evaluated
+        (``extra``: more overrides, such as an ``eval_loader``), its ``eval_curve``; ``then(trainer, out)`` adds to
+        it. ``fsdp`` keeps the recipe's FSDP2 (one rank)."""
+        overrides = self.overrides(name, steps, seed, **variables) + list(extra)
 
         def build(out: Path) -> dict:
             batches = BatchDigests()
             trainer, config, history = train_stage(recipe, overrides, None, extra_callbacks=[batches], fsdp=fsdp)
             save_folder = Path(config.save_folder.format(run_name=config.run_name))
-            hf = export_hf(save_folder, out / 'hf', overwrite=True)
             (out / 'history.json').write_text(json.dumps(history))
-            result = {'hf_folder': str(hf), 'tokens': train_tokens(config, self.settings.seq_len),
-                      'batch_digests': batches.digests, **(then(trainer, out) if then else {})}
+            result = {'tokens': train_tokens(config, self.settings.seq_len), 'batch_digests': batches.digests,
+                      **(then(trainer, out) if then else {})}
+            if keep_model:
+                result['hf_folder'] = str(export_hf(save_folder, out / 'hf', overwrite=True))
+            if history['eval']:
+                result['eval_curve'] = mean_eval_curve(history)
             shutil.rmtree(save_folder, ignore_errors=True)
             return result
 
         return self.stage(self.runs, name, build, recipe=recipe_path(recipe).read_text(), overrides=overrides,
-                          fsdp=fsdp)
+                          fsdp=fsdp, **({} if keep_model else {'keep_model': False}))
 
     def ct(self, name: str, model: str, batches: int | None = None, seed: int | None = None) -> dict:
         """The stage ``<name>-ct``: continued pre-training of ``model`` (``yamls/real/ct.yaml``), the whole budget by
@@ -368,35 +377,50 @@ class StageRunner:
         # at least one batch each, and together the CT row's batches (when it has two or more)
         transfer_batches = min(max(1, round(self.batches * s.transfer_fraction)), max(1, self.batches - 1))
         kl_batches = max(1, self.batches - transfer_batches)
-        if refit is None:
-            settings = RefitSettings(data=str(self.train_data), tokens=s.refit_tokens, seed=s.seed, device=s.device)
-
-            def refit_by_command(out: Path) -> dict:
-                report = refit_folder(self.source, converted, out / 'hf', settings, overwrite=True)
-                return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
-                        **{key: value for key, value in report.items() if key.startswith('mean_')}}
-            refit = refit_by_command, self.calibration(settings)
         start = str(converted)
         if refit is not False:
-            build, reads = refit
-            refitted = self.stage(self.runs, f'{name}-refit', build, model=converted, **reads)
+            refitted = self.refit(name, converted) if refit is None else self.stage(
+                self.runs, f'{name}-refit', refit[0], model=converted, **refit[1])
             seconds += refitted['seconds']
             start = refitted['hf_folder']
             self.evaluate(f'{label} +refit', method, budget, start, 0, seconds, intermediate=True, stage='refit',
                           stage_s=refitted['seconds'], **extra)
-        # Each stage draws its batches with its own seed, so KL does not replay the transfer's batches.
-        transferred = self.train(f'{name}-transfer', 'real/transfer.yaml', transfer_batches, s.seed + 101, fsdp=True,
-                                 model_path=start, source_path=self.source, lr=s.transfer_lr)
+        transferred = self.transfer(name, start, transfer_batches)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
                       intermediate=True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
-        distilled = self.train(f'{name}-kl', 'real/kl.yaml', kl_batches, s.seed + 102, fsdp=True,
-                               model_path=transferred['hf_folder'], source_path=self.source, lr=s.kl_lr)
+        distilled = self.distil(name, transferred['hf_folder'], kl_batches)
         seconds += distilled['seconds']
         self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
                       transferred['tokens'] + distilled['tokens'], seconds, stage='kl', lr=s.kl_lr,
                       stage_s=distilled['seconds'], **extra)
 
+    def refit(self, name: str, converted: str | Path, seed: int | None = None) -> dict:
+        """The stage ``<name>-refit``: ``dha-train refit`` of a 0-token conversion against the source, on
+        ``refit_tokens`` calibration tokens drawn with ``seed`` (default the bench's)."""
+        s = self.settings
+        settings = RefitSettings(data=str(self.train_data), tokens=s.refit_tokens,
+                                 seed=s.seed if seed is None else seed, device=s.device)
+
+        def build(out: Path) -> dict:
+            report = refit_folder(self.source, converted, out / 'hf', settings, overwrite=True)
+            return {'hf_folder': str(out / 'hf'), 'calibration_tokens': s.refit_tokens,
+                    **{key: value for key, value in report.items() if key.startswith('mean_')}}
+        return self.stage(self.runs, f'{name}-refit', build, model=converted, **self.calibration(settings))
+
+    # Each healing stage draws its batches with its own seed (the bench's + 101, + 102 by default), so KL does not
+    # replay the transfer's batches.
+    def transfer(self, name: str, model: str | Path, batches: int, seed: int | None = None) -> dict:
+        """The stage ``<name>-transfer``: layer-wise attention transfer of ``model`` to the source."""
+        s = self.settings
+        return self.train(f'{name}-transfer', 'real/transfer.yaml', batches, s.seed + 101 if seed is None else seed,
+                          fsdp=True, model_path=model, source_path=self.source, lr=s.transfer_lr)
+
+    def distil(self, name: str, model: str | Path, batches: int, seed: int | None = None) -> dict:
+        """The stage ``<name>-kl``: logit (KL) distillation of ``model`` from the source."""
+        s = self.settings
+        return self.train(f'{name}-kl', 'real/kl.yaml', batches, s.seed + 102 if seed is None else seed,
+                          fsdp=True, model_path=model, source_path=self.source, lr=s.kl_lr)
 
 
 def model_config(folder: Path):

@@ -57,7 +57,8 @@ from dha_train.commands.bench.real.tables import print_tables
 from dha_train.commands.bench.search import run_search_bench
 from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
-from dha_train.commands.bench.tokens import TokenBenchSettings, run_token_bench
+from dha_train.commands.bench.tokens import DEFAULTS as TOKEN_DEFAULTS
+from dha_train.commands.bench.tokens import TEACHERS, TokenBenchSettings, run_token_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,19 +280,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fusion.set_defaults(func=run_fusion)
     tokens = bench.add_parser('tokens', help='held-out loss against training tokens for DHA, mean-pool GQA CT and '
                               'mean-pool GQA healed then CT, over seeds, on the quickstart teacher at 25%% of its K+V '
-                              'cache; the tokens each GQA arm needs to reach DHA\'s loss, with intervals')
+                              'cache or on SmolLM2-135M at a third or two thirds; the tokens each GQA arm needs to reach '
+                              'DHA\'s loss, with intervals')
     token_defaults = TokenBenchSettings()
-    tokens.add_argument('--run', default=token_defaults.run, help='the quickstart run folder (made or reused)')
+    tokens.add_argument('--teacher', default=token_defaults.teacher, choices=list(TEACHERS))
+    tokens.add_argument('--run', default=None, help='the quickstart run folder (made or reused; default quickstart_run), '
+                        'or for smollm2 bench real\'s folder (its source, data and stages; default bench_real)')
     tokens.add_argument('--out', default=None, help='folder for results.json and tokens.png (default: '
-                        '<run>/bench_tokens)')
+                        '<run>/bench_tokens, or <run>/bench_tokens_<budget> for smollm2)')
     tokens.add_argument('--seeds', type=int, nargs='+', default=list(token_defaults.seeds))
-    tokens.add_argument('--ct-batches', dest='ct_batches', type=int, default=token_defaults.ct_batches,
-                        help='CT batches of DHA and of the healed model (default: %(default)s)')
-    tokens.add_argument('--gqa-batches', dest='gqa_batches', type=int, default=token_defaults.gqa_batches,
-                        help='CT batches of mean-pool GQA (default: %(default)s)')
-    tokens.add_argument('--heal-batches', dest='heal_batches', type=int, default=token_defaults.heal_batches,
-                        help='attention transfer batches, and as many of KL distillation (default: %(default)s)')
-    tokens.add_argument('--eval-every', dest='eval_every', type=int, default=token_defaults.eval_every)
+    for flag, (what, name) in {'--ct-batches': ('CT batches of DHA and of the healed model', 'ct_batches'),
+                               '--gqa-batches': ('CT batches of mean-pool GQA', 'gqa_batches'),
+                               '--heal-batches': ('attention transfer batches, and as many of KL distillation',
+                                                  'heal_batches'),
+                               '--eval-every': ('batches between evaluations of a CT', 'eval_every')}.items():
+        defaults = ', '.join(f'{teacher} {values[name]}' for teacher, values in TOKEN_DEFAULTS.items())
+        tokens.add_argument(flag, dest=name, type=int, default=None, help=f'{what} (default: {defaults})')
+    tokens.add_argument('--budget', default=token_defaults.budget, choices=['kv1', 'kv2'],
+                        help='smollm2: a third (kv1) or two thirds (kv2) of its K+V cache (default: %(default)s)')
+    tokens.add_argument('--fusion-batches', dest='fusion_batches', type=int, default=None,
+                        help='smollm2: Fusion\'s cap in batches (default: bench real\'s training budget)')
+    tokens.add_argument('--text', default=None, help='smollm2: the held-out text, a folder or a glob (default: the '
+                        'Rust book\'s chapters)')
+    tokens.add_argument('--text-tokens', dest='text_tokens', type=int, default=token_defaults.text_tokens)
+    tokens.add_argument('--device', default=token_defaults.device, choices=['auto', 'cpu', 'cuda'])
     tokens.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
     tokens.set_defaults(func=run_tokens)
     speed = bench.add_parser('eval-speed', help="evaluation throughput: lm-eval's HFLM against the context-sharing "

@@ -28,7 +28,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder, text_files, text_folder
+from dha_train.bench_runner import (
+    VALIDATION_GLOB,
+    StageRunner,
+    command_line,
+    prepare_data,
+    source_folder,
+    text_files,
+    text_folder,
+)
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.bench_support import bench_say
 from dha_train.config import ConfigError
@@ -39,8 +47,6 @@ from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 from dha_train.paths import recipe_path
 
 RECIPE = 'real/fusion.yaml'
-
-VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'  # the validation text of `bench mla-zero`, chosen on there too
 
 
 @dataclass

@@ -49,6 +49,8 @@ import numpy as np
 import torch
 
 from dha_train.bench_runner import (
+    BOOK_GLOB,
+    VALIDATION_GLOB,
     StageRunner,
     model_config,
     prepare_data,
@@ -72,10 +74,6 @@ ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
           'transmla': 'TransMLA'}
 FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
-# The texts as file globs: vim's help files; the Rust book's chapters (its one-page print.html, which repeats every
-# chapter, and its index pages left out).
-VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
-DEFAULT_BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
 # Named on 2026-11-28, before any row was scored on it: Perl's documentation, prose about a language no conversion
 # calibrates on (the calibration text is Python), in a markup (POD) none of the other texts uses.
 DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.pod'
@@ -327,7 +325,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     for name, given, default, what in (
             ('validation', settings.validation, VALIDATION_GLOB,
              'the text the DeepSeek defaults and TransMLA\'s setting were chosen on'),
-            ('heldout_book', settings.book, DEFAULT_BOOK_GLOB,
+            ('heldout_book', settings.book, BOOK_GLOB,
              'a book, held out from training and choosing; read during the latent-norm redesign'),
             ('heldout_fresh', settings.fresh, DEFAULT_FRESH_GLOB,
              'held out, and nothing in the project was designed, tuned or chosen on it')):

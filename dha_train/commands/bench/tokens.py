@@ -1,77 +1,171 @@
 """`dha-train bench tokens`: held-out loss against training tokens for DHA and mean-pool GQA, over seeds: the curve
 seed 000's "GQA needs about 5x DHA's tokens" is about.
 
-On the quickstart's MHA teacher at its 25% K+V budget (the run folder of ``--run``, made or reused), three arms, each
-run once per seed of ``--seeds`` (the seed orders the batches and seeds every stage):
+Two teachers (``--teacher``), three arms each, each arm run once per seed of ``--seeds`` (the seed orders the
+batches and seeds every stage):
 
-- ``dha``: Search (``yamls/dha/tiny/search.yaml``), Fusion (``fusion.yaml``, stops at its threshold), then CT
-  (``ct.yaml``) for ``--ct-batches``;
-- ``gqa``: the quickstart's mean-pool conversion, then CT (``yamls/gqa/tiny_ct.yaml``) for ``--gqa-batches``;
-- ``healed_gqa``: the same conversion refitted (``dha-train refit``, calibration only: 0 training tokens), attention
-  transfer (``yamls/healing/tiny_transfer.yaml``) and KL distillation (``tiny_kl.yaml``) of ``--heal-batches``
-  each, then CT (``gqa/tiny_ct.yaml``) for ``--ct-batches``.
+- ``quickstart``: the quickstart's MHA teacher at its 25% K+V budget (the run folder of ``--run``, made or reused),
+  with the tiny recipes, evaluated on the quickstart's validation split:
+
+  - ``dha``: Search (``yamls/dha/tiny/search.yaml``), Fusion (``fusion.yaml``, stops at its threshold), then CT
+    (``ct.yaml``) for ``--ct-batches``;
+  - ``gqa``: the quickstart's mean-pool conversion, then CT (``yamls/gqa/tiny_ct.yaml``) for ``--gqa-batches``;
+  - ``healed_gqa``: the same conversion refitted (``dha-train refit``, calibration only: 0 training tokens),
+    attention transfer (``yamls/healing/tiny_transfer.yaml``) and KL distillation (``tiny_kl.yaml``) of
+    ``--heal-batches`` each, then CT (``gqa/tiny_ct.yaml``) for ``--ct-batches``;
+
+- ``smollm2``: SmolLM2-135M (a GQA source, 3 K/V heads) at ``--budget`` (default ``kv2``, two thirds of its K+V
+  cache, where DHA's Search chooses the heads per layer), with `bench real`'s stages, recipes (``yamls/real/``),
+  training data and folder (``--run``, default ``bench_real``), evaluated on a held-out text no stage trains or is
+  chosen on (``--text``, default the Rust book's chapters; ``--text-tokens`` of it, each document's first 4,096
+  characters):
+
+  - ``dha``: Search (``real/dha_search.yaml``), Fusion (``real/fusion.yaml``, stops at its threshold or after
+    ``--fusion-batches``, default `bench real`'s budget), then CT (``real/ct.yaml``) for ``--ct-batches``;
+  - ``gqa``: `bench real`'s mean-pool conversion at the budget, then CT for ``--gqa-batches``;
+  - ``healed_gqa``: that conversion refitted, attention transfer (``real/transfer.yaml``) and KL
+    (``real/kl.yaml``) of ``--heal-batches`` each, then CT for ``--ct-batches``. Its curve starts at the healed
+    model (the refit and transfer models are not evaluated on the text).
 
 The token axis counts every token a stage trains on: DHA's Search and Fusion batches, the healing stages' batches,
-the CT batches. Every CT runs at its recipe's learning rate held constant after warm-up (``scheduler.alpha_f=1``), and
-is evaluated on the quickstart's validation split every ``--eval-every`` batches: a point mid-run is what a run of that
+the CT batches. Every CT runs at its recipe's learning rate held constant after the same warm-up for every arm
+(``scheduler.alpha_f=1``), and is evaluated every ``--eval-every`` batches: a point mid-run is what a run of that
 length gives before any decay, alike for every arm (a cosine schedule would tie each point to the run's length).
 
 Per arm and point: the mean loss over seeds with its 95% interval (Student's t over seeds). At each DHA point: the
 tokens each GQA arm needs to reach DHA's mean loss there (from its mean curve, linearly interpolated), over DHA's
 tokens, with a bootstrap interval over both arms' seeds (``ops.token_curves``). Writes ``results.json`` and
-``tokens.png`` in ``--out`` (default ``<run>/bench_tokens``) and, with ``--results``, a copy of the results.
+``tokens.png`` in ``--out`` (default ``<run>/bench_tokens``, or ``<run>/bench_tokens_<budget>`` for SmolLM2) and,
+with ``--results``, a copy of the results.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from dha_train.bench_runner import command_line, run_stage, say
+from dha_train.bench_runner import (
+    BOOK_GLOB,
+    command_line,
+    prepare_data,
+    run_stage,
+    source_folder,
+    text_files,
+    text_folder,
+)
+from dha_train.bench_settings import RealSettings, resolve_settings
+from dha_train.bench_support import bench_say
 from dha_train.config import ConfigError
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.export import export_hf
+from dha_train.model_folders import folder_digest
 from dha_train.ops.token_curves import seed_interval, tokens_to_reach
 from dha_train.quickstart import run_quickstart
 from dha_train.stages import DONE_MARKER, KV_BUDGET, SEQ_LEN, ct_curve, train_stage, train_tokens, validation_loss
 
 ARMS = {'dha': 'DHA (Search, Fusion, CT)', 'gqa': 'mean-pool GQA, CT', 'healed_gqa': 'mean-pool GQA, healed, then CT'}
+TEACHERS = ('quickstart', 'smollm2')
 CONSTANT_LR = 'scheduler.alpha_f=1.0'  # the recipes' cosine decays to alpha_f x lr; 1 holds it after warm-up
+# Per teacher: the run folder, and the CT, healing and evaluation lengths in batches. The quickstart's: its CT length,
+# four times it for mean-pool (long enough to reach DHA's losses, or to show it does not), the tiny healing recipes'
+# length. SmolLM2's fit 2 cores: 8 x 256 tokens a batch at about 13 s.
+DEFAULTS = {'quickstart': dict(run='quickstart_run', ct_batches=120, gqa_batches=480, heal_batches=40, eval_every=20),
+            'smollm2': dict(run='bench_real', ct_batches=8, gqa_batches=24, heal_batches=4, eval_every=4)}
+REAL_WARMUP = '1ba'  # every SmolLM2 CT's warm-up, whatever its length (bench real's is 10% of the run)
+MAX_DOCUMENT_CHARS = 4096  # as `bench mla-zero`: the text's sequences come from many documents, not the longest few
+
+
+def say(message: str) -> None:
+    bench_say('tokens', message)
 
 
 @dataclass
 class TokenBenchSettings:
-    run: str = 'quickstart_run'
+    teacher: str = 'quickstart'
+    run: str | None = None  # the quickstart run folder, or bench real's folder (SmolLM2); default per teacher
     out: str | None = None
     seeds: Sequence[int] = (1, 2, 3)
-    ct_batches: int = 120  # DHA's and the healed model's CT (the quickstart's CT length)
-    gqa_batches: int = 480  # mean-pool CT: long enough to reach DHA's losses, or to show it does not
-    heal_batches: int = 40  # attention transfer, then KL distillation, each (the tiny healing recipes' length)
-    eval_every: int = 20
+    ct_batches: int | None = None  # DHA's and the healed model's CT (default per teacher)
+    gqa_batches: int | None = None  # mean-pool CT
+    heal_batches: int | None = None  # attention transfer, then KL distillation, each
+    eval_every: int | None = None
     results: str | None = None
     # the quickstart run's own settings (a run folder made with others is refused by the quickstart)
     quickstart_steps: int | None = None
     conversion_steps: int | None = None  # also caps DHA's Search and Fusion here
+    # SmolLM2 only
+    budget: str = 'kv2'
+    fusion_batches: int | None = None  # Fusion's cap (default: bench real's training budget in batches)
+    text: str | None = None  # the held-out text, a folder or a glob (default: the Rust book's chapters)
+    text_tokens: int = 16384
+    device: str = 'auto'
+    # bench real's settings (its source, training data, batch, held-out text; None: its defaults); --run, --device
+    # and isolate_stages replace its out, device and isolate_stages
+    real: RealSettings | None = None
     isolate_stages: bool = True
 
 
-def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
-    settings = settings or TokenBenchSettings()
-    if len(set(settings.seeds)) < 2 or len(set(settings.seeds)) != len(settings.seeds):
+def resolve(settings: TokenBenchSettings) -> TokenBenchSettings:
+    """The teacher's defaults filled in, and every setting checked before anything runs."""
+    if settings.teacher not in TEACHERS:
+        raise ConfigError(f"bench tokens: --teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
+    filled = replace(settings, **{key: value for key, value in DEFAULTS[settings.teacher].items()
+                                  if getattr(settings, key) is None})
+    if len(set(filled.seeds)) < 2 or len(set(filled.seeds)) != len(filled.seeds):
         raise ConfigError(f'bench tokens: --seeds needs 2 or more distinct seeds (an interval over seeds), got '
-                          f'{list(settings.seeds)}')
-    for name in ('ct_batches', 'gqa_batches', 'heal_batches', 'eval_every'):
-        if getattr(settings, name) < 1:
-            raise ConfigError(f'bench tokens: --{name.replace("_", "-")} must be >= 1, got {getattr(settings, name)}')
+                          f'{list(filled.seeds)}')
+    for name in ('ct_batches', 'gqa_batches', 'heal_batches', 'eval_every', 'text_tokens'):
+        if getattr(filled, name) < 1:
+            raise ConfigError(f'bench tokens: --{name.replace("_", "-")} must be >= 1, got {getattr(filled, name)}')
     for name in ('ct_batches', 'gqa_batches'):
-        if getattr(settings, name) % settings.eval_every:
-            raise ConfigError(f'bench tokens: --{name.replace("_", "-")} ({getattr(settings, name)}) must be a '
-                              f'multiple of --eval-every ({settings.eval_every}), so every curve ends on an evaluation')
+        if getattr(filled, name) % filled.eval_every:
+            raise ConfigError(f'bench tokens: --{name.replace("_", "-")} ({getattr(filled, name)}) must be a '
+                              f'multiple of --eval-every ({filled.eval_every}), so every curve ends on an evaluation')
+    if filled.teacher == 'smollm2':
+        if filled.budget not in ('kv1', 'kv2'):
+            raise ConfigError(f"bench tokens: --budget must be kv1 or kv2, got '{filled.budget}'")
+        if filled.fusion_batches is not None and filled.fusion_batches < 1:
+            raise ConfigError(f'bench tokens: --fusion-batches must be >= 1, got {filled.fusion_batches}')
+    return filled
+
+
+def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
+    settings = resolve(settings or TokenBenchSettings())
+    arms, work, about = (quickstart_arms if settings.teacher == 'quickstart' else smollm2_arms)(settings)
+    runs = {arm: [] for arm in ARMS}
+    results = {'command': command_line(), 'settings': {**asdict(settings), 'seeds': list(settings.seeds)},
+               **about, 'arms': ARMS, 'runs': runs,
+               'learning_rate': 'each recipe\'s, held after the same warm-up for every arm (scheduler.alpha_f=1)'}
+
+    def save() -> None:
+        (work / 'results.json').write_text(json.dumps(results, indent=2))
+
+    for seed in settings.seeds:
+        for arm in ARMS:
+            say(f'{ARMS[arm]}, seed {seed}')
+            runs[arm].append(arms[arm](seed))
+            save()
+    results.update(summarise(runs, seed=min(settings.seeds)))
+    save()
+    plot_tokens(results, work / 'tokens.png')
+    if settings.results:
+        Path(settings.results).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(work / 'results.json', settings.results)
+    print(markdown_table(results))
+    print(f'  results.json and tokens.png in {work}')
+    return results
+
+
+Arms = dict[str, Callable[[int], dict]]
+
+
+def quickstart_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
+    """The three arms on the quickstart's teacher at its 25% budget (tiny recipes, its validation split)."""
     run = Path(settings.run).resolve()
     run_quickstart(run, steps=settings.quickstart_steps, conversion_steps=settings.conversion_steps)
     work = Path(settings.out).resolve() if settings.out else run / 'bench_tokens'
@@ -167,30 +261,84 @@ def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
                 'points': [[0, refitted['loss']], [transferred['tokens'], transferred['loss']]]
                 + [[healed + batch * ct['batch_tokens'], loss] for batch, loss in ct['curve']]}
 
-    runs = {'dha': [], 'gqa': [], 'healed_gqa': []}
-    results = {'command': command_line(), 'settings': {**asdict(settings), 'seeds': list(settings.seeds)},
-               'run': str(run), 'teacher': str(teacher), 'kv_budget': 0.25, 'arms': ARMS, 'runs': runs,
-               'token_axis': 'every token a stage trains on: Search + Fusion + CT (DHA); transfer + KL + CT '
-                             '(healed; the refit calibrates on tokens without training); CT (GQA)',
-               'learning_rate': 'each recipe\'s, held after warm-up (scheduler.alpha_f=1)'}
+    about = {'teacher': 'quickstart', 'run': str(run), 'teacher_folder': str(teacher), 'kv_budget': KV_BUDGET,
+             'evaluated_on': f'the quickstart\'s validation split ({data})',
+             'token_axis': 'every token a stage trains on: Search + Fusion + CT (DHA); transfer + KL + CT '
+                           '(healed; the refit calibrates on tokens without training); CT (GQA)'}
+    return {'dha': dha, 'gqa': gqa, 'healed_gqa': healed_gqa}, work, about
 
-    def save() -> None:
-        (work / 'results.json').write_text(json.dumps(results, indent=2))
 
-    for seed in settings.seeds:
-        for arm, build in (('dha', dha), ('gqa', gqa), ('healed_gqa', healed_gqa)):
-            say(f'bench tokens: {ARMS[arm]}, seed {seed}')
-            runs[arm].append(build(seed))
-            save()
-    results.update(summarise(runs, seed=min(settings.seeds)))
-    save()
-    plot_tokens(results, work / 'tokens.png')
-    if settings.results:
-        Path(settings.results).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / 'results.json', settings.results)
-    print(markdown_table(results))
-    print(f'  results.json and tokens.png in {work}')
-    return results
+def smollm2_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
+    """The three arms on SmolLM2-135M at ``settings.budget``, as `bench real` runs its stages (same source, data,
+    recipes and stage folders), each CT evaluated on the held-out text along the run."""
+    from dha_train.commands.bench.real.methods import RealBench
+
+    real = resolve_settings(replace(settings.real or RealSettings(), out=settings.run, device=settings.device,
+                                    isolate_stages=settings.isolate_stages))
+    root = Path(real.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    where = settings.text or BOOK_GLOB
+    files = text_files(where)
+    if not files:
+        raise ConfigError(f'bench tokens: no held-out text at {where} (give one with --text: a folder or a glob of '
+                          '.html, .txt, .md, .rst or .pod files)')
+    source = source_folder(root, real.source)
+    digest = folder_digest(source)
+    train_data, heldout, data = prepare_data(root, source, real, digest)
+    bench = RealBench(real, root, source, digest, train_data, heldout)
+    text = text_folder(bench, 'tokens-heldout', where, files, seed=real.seed, tokens=settings.text_tokens,
+                       seq_len=real.seq_len, max_document_chars=MAX_DOCUMENT_CHARS)
+    work = Path(settings.out).resolve() if settings.out else root / f'bench_tokens_{settings.budget}'
+    work.mkdir(parents=True, exist_ok=True)
+    budget = settings.budget
+    fusion_cap = settings.fusion_batches or bench.batches
+
+    def curve(name: str, model: str, batches: int, seed: int) -> tuple[list, int]:
+        """CT of ``model`` for ``batches``, evaluated on the text every ``eval_every`` batches from its start: the
+        (batch, loss) curve and the tokens of a batch."""
+        trained = bench.train(name, 'real/ct.yaml', batches, seed, keep_model=False, model_path=model,
+                              warmup=REAL_WARMUP, extra=[f'eval_loader.root={text}', 'eval_first=true',
+                                                         f'eval_interval={settings.eval_every}ba', CONSTANT_LR])
+        return trained['eval_curve'], trained['tokens'] // batches
+
+    def dha(seed: int) -> dict:
+        name = f'tokens-seed{seed}-dha-{budget}'
+        found = bench.dha_search(name, budget, seed=seed)
+        fused = bench.dha_fusion(name, found['head_map'], fusion_cap, seed)
+        # CT on its own seed: restarting the stream with Fusion's would replay Fusion's batches
+        points, batch_tokens = curve(f'{name}-ct', fused['hf_folder'], settings.ct_batches, seed + 100)
+        start = found['search_tokens'] + fused['fusion_tokens']
+        return {'seed': seed, 'search_tokens': found['search_tokens'], 'fusion_tokens': fused['fusion_tokens'],
+                'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
+                'final_fusion_loss': fused['final_fusion_loss'], 'kv_heads_per_layer': found['kv_heads'],
+                'points': [[start + batch * batch_tokens, loss] for batch, loss in points]}
+
+    def gqa(seed: int) -> dict:
+        pooled = bench.mean_pool_convert(budget)
+        points, batch_tokens = curve(f'tokens-seed{seed}-gqa-{budget}-ct', pooled['hf_folder'],
+                                     settings.gqa_batches, seed)
+        return {'seed': seed, 'points': [[batch * batch_tokens, loss] for batch, loss in points]}
+
+    def healed_gqa(seed: int) -> dict:
+        name = f'tokens-seed{seed}-heal-{budget}'
+        refitted = bench.refit(name, bench.mean_pool_convert(budget)['hf_folder'], seed)
+        transferred = bench.transfer(name, refitted['hf_folder'], settings.heal_batches, seed + 101)
+        distilled = bench.distil(name, transferred['hf_folder'], settings.heal_batches, seed + 102)
+        points, batch_tokens = curve(f'{name}-ct', distilled['hf_folder'], settings.ct_batches, seed + 103)
+        healed = transferred['tokens'] + distilled['tokens']
+        return {'seed': seed, 'refit_calibration_tokens': refitted['calibration_tokens'],
+                'points': [[healed + batch * batch_tokens, loss] for batch, loss in points]}
+
+    num_source = bench.source_map.layers[0].num_key_heads
+    about = {'teacher': 'smollm2', 'run': str(root), 'teacher_folder': str(source), 'budget': budget,
+             'kv_budget': int(budget[2:]) / num_source, 'fusion_cap_batches': fusion_cap,
+             'evaluated_on': {'text': where, 'root': str(text), 'tokens': settings.text_tokens,
+                              'max_document_chars': MAX_DOCUMENT_CHARS},
+             'train_data': data['train'].get('source'), 'bench_real_settings': asdict(real),
+             'token_axis': 'every token a stage trains on: Search + Fusion + CT (DHA); transfer + KL + CT '
+                           '(healed; the refit calibrates on tokens without training, and the curve starts at the '
+                           'healed model); CT (GQA)'}
+    return {'dha': dha, 'gqa': gqa, 'healed_gqa': healed_gqa}, work, about
 
 
 def summarise(runs: dict, *, seed: int = 0) -> dict:
@@ -242,6 +390,7 @@ def plot_tokens(results: dict, out: Path) -> Path:
     panel = {ARMS[arm]: {'points': [(p['tokens'], p['loss'], p['ci95']) for p in points], 'colour_key': arm,
                          'dashed': arm == 'healed_gqa'} for arm, points in results['curves'].items()}
     seeds = len(results['runs']['dha'])
-    return plot_panels({f'quickstart teacher, 25% of its K+V cache ({seeds} seeds)': panel}, out,
+    teacher = 'quickstart teacher' if results['teacher'] == 'quickstart' else Path(results['teacher_folder']).name
+    return plot_panels({f'{teacher}, {results["kv_budget"]:.0%} of its K+V cache ({seeds} seeds)': panel}, out,
                        title='held-out loss against training tokens (95% intervals over seeds)',
                        xlabel='training tokens', ylabel='validation loss')

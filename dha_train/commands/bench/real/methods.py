@@ -31,21 +31,25 @@ class RealBench(StageRunner):
         self.evaluate('teacher', 'teacher', None, self.source, 0, 0.0)
 
     def mean_pool(self, budget: str) -> None:
-        heads = _heads(budget)
         name = f'meanpool-{budget}'
-
-        def convert(out: Path) -> dict:
-            head_map = HeadMap.pooled(self.source_map, heads)
-            hf = convert_checkpoint(self.source, out / 'hf', head_map, overwrite=True)
-            return {'hf_folder': str(hf), 'groups': head_map.source_partitions(self.source_map)[0][0]}
-
-        converted = self.stage(self.runs, f'{name}-convert', convert, heads=heads)
+        converted = self.mean_pool_convert(budget)
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
         self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
         trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
+
+    def mean_pool_convert(self, budget: str) -> dict:
+        """The stage ``meanpool-<budget>-convert``: the source mean-pooled to the budget's heads per layer."""
+        heads = _heads(budget)
+
+        def convert(out: Path) -> dict:
+            head_map = HeadMap.pooled(self.source_map, heads)
+            hf = convert_checkpoint(self.source, out / 'hf', head_map, overwrite=True)
+            return {'hf_folder': str(hf), 'groups': head_map.source_partitions(self.source_map)[0][0]}
+
+        return self.stage(self.runs, f'meanpool-{budget}-convert', convert, heads=heads)
 
     def aligned_gqa(self, budget: str) -> None:
         heads = _heads(budget)
@@ -156,44 +160,12 @@ class RealBench(StageRunner):
 
     def _dha(self, budget: str, servable: bool) -> None:
         heads = _heads(budget)
-        s = self.settings
         # at one head per layer both Searches are skipped with the same map: the servable DHA shares DHA's stages
         name = f'dha-servable-{budget}' if servable and heads > 1 else f'dha-{budget}'
         method, title = ('dha_servable', 'DHA-servable') if servable else ('dha', 'DHA')
-        num_source = self.source_map.layers[0].num_key_heads
-        fraction = heads / num_source
-        search_overrides = self.overrides(name, s.search_batches, model_path=self.source, kv_budget=fraction,
-                                          servable=str(servable).lower())
-
-        def search(out: Path) -> dict:
-            if heads == 1:  # the DP's only solution: every (layer, kind) keeps one head, all source heads fused
-                head_map = HeadMap.pooled(self.source_map, 1)
-                head_map.save(out / 'head_map.json')
-                return {'head_map': str(out / 'head_map.json'), 'searched': False, 'search_tokens': 0,
-                        'kv_heads': head_map.kv_heads(),
-                        'note': 'a budget of 1/3 of 3 heads leaves one grouping (one K and one V head per layer): '
-                                'no Search run'}
-            trainer, config, _ = train_stage('real/dha_search.yaml',
-                                             search_overrides + [f'variables.out={out / "search"}'], None)
-            shutil.rmtree(Path(config.save_folder), ignore_errors=True)
-            head_map = HeadMap.load(out / 'search' / 'head_map.json')
-            return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
-                    'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
-
-        found = self.stage(self.runs, f'{name}-search', search, heads=heads, recipe=recipe_path(
-            'real/dha_search.yaml').read_text(), overrides=search_overrides if heads > 1 else None)
+        found = self.dha_search(name, budget, servable)
         self._dha_start(name, budget, found, method, title)
-
-        def fusion_record(trainer, out: Path) -> dict:
-            state = HeadFusion.of(trainer.state, 'bench real')
-            history = state.history
-            (out / 'fusion_history.json').write_text(json.dumps(history))
-            return {'batches': len(history), 'converged_at': state.converged_at,
-                    'fusion_tokens': len(history) * s.batch * s.seq_len,
-                    'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
-
-        fused = self.train(f'{name}-fusion', 'real/fusion.yaml', self.batches, then=fusion_record,
-                           model_path=self.source, head_map=found['head_map'])  # the recipe's margin and lrs
+        fused = self.dha_fusion(name, found['head_map'], self.batches)
         kv_heads = found['kv_heads']
         extra = {'kv_heads_per_layer': kv_heads, 'search_tokens': found['search_tokens'],
                  'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
@@ -212,6 +184,49 @@ class RealBench(StageRunner):
         self.evaluate(f'{title} {budget} +CT', method, budget, trained['hf_folder'],
                       fused['fusion_tokens'] + trained['tokens'], seconds + trained['seconds'],
                       ct_tokens=trained['tokens'], **extra)
+
+    def dha_search(self, name: str, budget: str, servable: bool = False, seed: int | None = None) -> dict:
+        """The stage ``<name>-search``: DHA's Search at the budget (``seed``, default the bench's, orders its
+        batches), or, at one head per layer, the one map there is."""
+        heads = _heads(budget)
+        s = self.settings
+        fraction = heads / self.source_map.layers[0].num_key_heads
+        search_overrides = self.overrides(name, s.search_batches, seed, model_path=self.source, kv_budget=fraction,
+                                          servable=str(servable).lower())
+
+        def search(out: Path) -> dict:
+            if heads == 1:  # the DP's only solution: every (layer, kind) keeps one head, all source heads fused
+                head_map = HeadMap.pooled(self.source_map, 1)
+                head_map.save(out / 'head_map.json')
+                return {'head_map': str(out / 'head_map.json'), 'searched': False, 'search_tokens': 0,
+                        'kv_heads': head_map.kv_heads(),
+                        'note': 'a budget of 1/3 of 3 heads leaves one grouping (one K and one V head per layer): '
+                                'no Search run'}
+            trainer, config, _ = train_stage('real/dha_search.yaml',
+                                             search_overrides + [f'variables.out={out / "search"}'], None)
+            shutil.rmtree(Path(config.save_folder), ignore_errors=True)
+            head_map = HeadMap.load(out / 'search' / 'head_map.json')
+            return {'head_map': str(out / 'search' / 'head_map.json'), 'searched': True,
+                    'search_tokens': train_tokens(config, s.seq_len), 'kv_heads': head_map.kv_heads()}
+
+        return self.stage(self.runs, f'{name}-search', search, heads=heads, recipe=recipe_path(
+            'real/dha_search.yaml').read_text(), overrides=search_overrides if heads > 1 else None)
+
+    def dha_fusion(self, name: str, head_map: str, batches: int, seed: int | None = None) -> dict:
+        """The stage ``<name>-fusion``: Fusion of the source grouped by ``head_map`` (the recipe's margin and lrs),
+        stopping at its threshold or after ``batches``, baked and exported; its L_fusion history is kept."""
+        s = self.settings
+
+        def fusion_record(trainer, out: Path) -> dict:
+            state = HeadFusion.of(trainer.state, 'bench real')
+            history = state.history
+            (out / 'fusion_history.json').write_text(json.dumps(history))
+            return {'batches': len(history), 'converged_at': state.converged_at,
+                    'fusion_tokens': len(history) * s.batch * s.seq_len,
+                    'final_fusion_loss': history[-1]['fusion_loss'] if history else None}
+
+        return self.train(f'{name}-fusion', 'real/fusion.yaml', batches, seed, then=fusion_record,
+                          model_path=self.source, head_map=head_map)
 
     def _dha_start(self, name: str, budget: str, found: dict, method: str = 'dha', title: str = 'DHA') -> None:
         """DHA at 0 tokens: Fusion's start bakes to the mean of each Search group, so it is the Search's map
