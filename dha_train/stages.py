@@ -25,6 +25,7 @@ from composer import Callback, Logger, State
 from composer.loggers import InMemoryLogger
 
 from dha_train.config import ConfigError, TrainConfig, load_config
+from dha_train.export import export_hf
 from dha_train.ops.budget import whole_head_count
 from dha_train.paths import recipe_path
 from dha_train.plan import run_tokens
@@ -197,9 +198,11 @@ def train_tokens(config: TrainConfig, seq_len: int) -> int:
 
 
 def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int, eval_every: int,
-             seq_len: int, recipe: str = 'gqa/tiny_ct.yaml', overrides: Sequence[str] = ()) -> dict:
+             seq_len: int, recipe: str = 'gqa/tiny_ct.yaml', overrides: Sequence[str] = (),
+             export: Path | None = None) -> dict:
     """Continued pre-training of an HF folder with ``recipe`` (a tiny CT recipe) on ``data`` for ``batches``, started
-    fresh (a measurement never autoresumes a stale run): its validation curve, final loss and tokens."""
+    fresh (a measurement never autoresumes a stale run): its validation curve, final loss and tokens; with
+    ``export``, the trained model written there as an HF folder too (``hf_folder``)."""
     shutil.rmtree(work / name, ignore_errors=True)
     _, config, history = train_stage(recipe, [
         f'variables.model_path={model}', f'variables.data_root={data}', f'variables.save_root={work}',
@@ -207,8 +210,11 @@ def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int,
         *overrides], None)
     if not history['eval']:
         raise RuntimeError(f'{name}: no evaluation was logged')
-    return {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'],
-            'tokens': train_tokens(config, seq_len)}
+    result = {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'],
+              'tokens': train_tokens(config, seq_len)}
+    if export is not None:  # the run saves once, at its end (save_interval is past it)
+        result['hf_folder'] = str(export_hf(work / name, export, overwrite=True))
+    return result
 
 
 def validation_loss(data: Path, hf_folder: str | Path) -> float:

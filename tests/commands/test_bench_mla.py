@@ -3,6 +3,9 @@ as the GQA row it is compared with, and a budget that leaves no latent is refuse
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -36,7 +39,7 @@ def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp
     and the default conversion trains, with and without distillation from the teacher, from the same start."""
     from transformers import LlamaConfig
 
-    from dha_train.commands.bench.conversion import mla_rows
+    from dha_train.commands.bench.conversion import mla_paired, mla_rows, sequence_scorer
     from dha_train.methods import kv_cache_bytes
     from dha_train.stages import SEQ_LEN as BENCH_SEQ_LEN
     from helpers import save_tiny_llama
@@ -45,9 +48,10 @@ def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp
     config = save_tiny_llama(teacher, tokenizer_dir, num_attention_heads=4, num_key_value_heads=4)
     gqa_bytes = kv_cache_bytes(LlamaConfig(**{**config.to_dict(), 'num_key_value_heads': 1}), seq_len=1)
 
-    saved = []
+    saved, sequences = [], {}
     rows = mla_rows(teacher, data_root, tmp_path / 'work', 0.25, batches=6, seed=0,
-                    variants=['default', 'weight SVD'], save=lambda: saved.append(1))
+                    variants=['default', 'weight SVD'], save=lambda: saved.append(1),
+                    score=sequence_scorer(data_root, sequences))
     assert [row['variant'] for row in rows] == ['default', 'default, distilled', 'weight SVD'] and len(saved) == 3
     for row in rows:
         assert row['kv_bytes_per_token'] == gqa_bytes == 2 * 2 * 2 * 16  # 2 layers, K+V, 16 dims, 2 bytes
@@ -58,3 +62,22 @@ def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp
     assert default['tokens'] == distilled['tokens'] == 6 * 16 * BENCH_SEQ_LEN  # the quickstart data's length
     assert default['after_training'] < default['after_conversion'] - 0.1  # from a random model: CT must help
     assert distilled['after_training'] != default['after_training']  # the teacher's loss changed the updates
+
+    # every model scored per sequence too: the same losses as the evaluation's (its mean of domain means), with an
+    # interval, and the trained ones exported to be scored
+    assert sorted(sequences) == ['MLA default +CT', 'MLA default @0', 'MLA default, distilled +CT', 'MLA weight SVD @0']
+    assert default['scored_as'] == {'after_conversion': 'MLA default @0', 'after_training': 'MLA default +CT'}
+    assert distilled['scored_as']['after_training'] == 'MLA default, distilled +CT'
+    for row in rows:
+        for point, label in row['scored_as'].items():
+            means = [np.mean(values) for values in sequences[label].values()]
+            assert abs(np.mean(means) - row[point]) < 1e-4 and 0 < row[f'{point}_ci95'] < 1
+    # paired against a reference scored on the same sequences: a model against itself differs by exactly 0
+    reference = {'gqa_at_0': {'label': 'MLA weight SVD @0'}, 'gqa_after_ct': {'label': 'MLA default +CT'},
+                 'dha_after_ct': {'label': 'MLA default, distilled +CT'}}
+    paired = {(entry['row'], entry['against']): entry for entry in mla_paired(rows, reference, sequences, seed=0)}
+    assert paired['MLA default +CT', 'MLA default +CT']['difference'] == 0
+    assert paired['MLA default +CT', 'MLA default +CT']['ci95'] == [0, 0]
+    gap = paired['MLA default @0', 'MLA weight SVD @0']
+    assert math.isclose(gap['difference'], default['after_conversion'] - weight['after_conversion'], abs_tol=1e-4)
+    assert gap['ci95'][0] <= gap['difference'] <= gap['ci95'][1]

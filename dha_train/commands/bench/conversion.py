@@ -38,6 +38,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
@@ -46,10 +48,12 @@ from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
+from dha_train.evaluation import load_model, sequence_losses
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
+from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 from dha_train.quickstart import run_quickstart
 from dha_train.stages import (
     DHA_NAME,
@@ -143,14 +147,32 @@ def mla_variants() -> list[tuple[str, dict]]:
             ('no FreqFold', {'freq_fold': 1})]
 
 
+def sequence_scorer(data: Path, into: dict):
+    """``score(label, folder)``: the model's loss on each validation sequence of ``data`` (per domain), kept in
+    ``into[label]`` for paired comparisons, and returned as (mean of the domains' means, its 95% half-width)."""
+    def score(label: str, folder: str | Path) -> tuple[float, float]:
+        model, tokenizer = load_model(folder)
+        with torch.no_grad():
+            into[label] = sequence_losses(model, tokenizer, data)
+        return mean_of_means_interval(into[label])
+    return score
+
+
 def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: int | None, seed: int,
              eval_every: int | None = None, variants: Sequence[str] | None = None, into: list | None = None,
-             save=lambda: None) -> list[dict]:
+             save=lambda: None, score=None) -> list[dict]:
     """MLA conversions of ``teacher`` at ``fraction`` of its K+V cache, calibrated on ``data``: every variant's loss
     right after conversion; the default's after CT of ``batches`` (None: none), with and without distillation from
     the teacher. ``variants`` picks by name (default: all). Rows are appended to ``into`` (and ``save`` called) as
-    they come."""
+    they come. ``score`` (``sequence_scorer``): every model is also scored per sequence, its row's losses get 95%
+    intervals and name the scores they came from (``scored_as``)."""
     rows = [] if into is None else into
+
+    def scored(row: dict, point: str, label: str, folder: str | Path | None) -> dict:
+        if score is None:
+            return row
+        return {**row, f'{point}_ci95': score(label, folder)[1], 'scored_as': {**row.get('scored_as', {}), point: label}}
+
     for name, change in mla_variants():
         if variants is not None and name not in variants:
             continue
@@ -164,22 +186,28 @@ def mla_rows(teacher: Path, data: Path, work: Path, fraction: float, batches: in
         row = {'variant': name, 'settings': {**{k: v for k, v in vars(settings).items() if k != 'data'}, **resolved},
                'ranks': report['ranks'], 'fraction_of_source': report['fraction_of_source'],
                'kv_bytes_per_token': kv_cache_bytes(mla_config, seq_len=1), 'after_training': None, 'tokens': 0}
+        row = scored(row, 'after_conversion', f'MLA {name} @0', folder)
         if name != 'default' or batches is None:
             rows.append({**row, 'after_conversion': validation_loss(data, folder)})
             save()
             continue
         every = eval_every or batches
-        plain = ct_curve(data, work, folder, 'bench-mla-ct', batches, every, SEQ_LEN, recipe='mla/tiny_ct.yaml')
-        rows.append({**row, 'after_conversion': plain['curve'][0][1], 'after_training': plain['final'],
-                     'tokens': plain['tokens'], 'curve': plain['curve']})
+        export = work / 'bench-mla-ct-hf' if score is not None else None
+        plain = ct_curve(data, work, folder, 'bench-mla-ct', batches, every, SEQ_LEN, recipe='mla/tiny_ct.yaml',
+                         export=export)
+        trained = {**row, 'after_conversion': plain['curve'][0][1], 'after_training': plain['final'],
+                   'tokens': plain['tokens'], 'curve': plain['curve']}
+        rows.append(scored(trained, 'after_training', f'MLA {name} +CT', export))
         save()
         print(f'[bench] MLA ({name}): CT with distillation from the teacher ({batches} batches) ...', flush=True)
+        export = work / 'bench-mla-distill-hf' if score is not None else None
         distilled = ct_curve(data, work, folder, 'bench-mla-distill', batches, every, SEQ_LEN,
                              recipe='mla/tiny_ct.yaml', overrides=[f'algorithms.distillation.teacher_path={teacher}',
-                                                                   'algorithms.distillation.top_k=16'])
-        rows.append({**row, 'variant': 'default, distilled', 'after_conversion': plain['curve'][0][1],
-                     'after_training': distilled['final'], 'tokens': distilled['tokens'],
-                     'curve': distilled['curve']})
+                                                                   'algorithms.distillation.top_k=16'], export=export)
+        trained = {**row, 'variant': 'default, distilled',
+                   'after_conversion': plain['curve'][0][1], 'after_training': distilled['final'],
+                   'tokens': distilled['tokens'], 'curve': distilled['curve']}
+        rows.append(scored(trained, 'after_training', f'MLA {name}, distilled +CT', export))
         save()
     return rows
 
@@ -207,13 +235,17 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     print()
     print(f'Conversions at a 25% KV budget ({model}; MHA val loss {results["mha_loss"]:.4f})')
 
+    sequences: dict = {}  # every scored model's loss per validation sequence, by label (sequence_losses.json)
+    score = sequence_scorer(run / 'data', sequences)
+
     def save() -> None:  # after every section, so that a later failure keeps what was measured
         (work / 'results.json').write_text(json.dumps(results, indent=2))
+        (work / 'sequence_losses.json').write_text(json.dumps(sequences))
 
     print(f'[bench] GQA continued pre-training with DHA\'s total (fusion + CT) tokens ({budget_batches} batches) ...',
           flush=True)
     equal = ct_curve(run / 'data', work, stages['gqa_convert']['hf_folder'], 'bench-gqa-equal', budget_batches,
-                     budget_batches, SEQ_LEN)
+                     budget_batches, SEQ_LEN, export=work / 'bench-gqa-equal-hf')
     results['equal_budget'] = {'tokens': equal['tokens'], 'dha_after_ct': dha_ct['final']['mean'],
                                'gqa_after_ct': equal['final']}
     # DHA's 0-token point: Fusion starts with every query head reading its own head, which bakes to the mean of each
@@ -221,6 +253,18 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
     dha_start = convert_checkpoint(run / 'export' / 'hf', work / 'bench-dha-at-0',
                                    HeadMap.load(Path(stages['dha_search']['head_map'])), overwrite=True)
     results['dha_at_zero_tokens'] = validation_loss(run / 'data', dha_start)
+    # the rows every method is ranked against, scored per sequence: their losses with intervals, and the sequences
+    # the paired comparisons below use
+    results['reference'] = {}
+    for key, label, folder in (
+            ('teacher', 'MHA teacher', run / 'export' / 'hf'),
+            ('gqa_at_0', 'GQA mean-pool @0', stages['gqa_convert']['hf_folder']),
+            ('gqa_after_ct', 'GQA mean-pool +CT', equal['hf_folder']),
+            ('dha_at_0', 'DHA @0 (Search groups mean-pooled)', dha_start),
+            ('dha_after_fusion', 'DHA after Fusion', fusion['hf_folder']),
+            ('dha_after_ct', 'DHA after Fusion +CT', dha_ct['hf_folder'])):
+        loss, ci95 = score(label, folder)
+        results['reference'][key] = {'label': label, 'loss': loss, 'ci95': ci95}
     save()
     if 'dha' in sections:
         _dha_section(run, work, stages, results, save, equal, gqa_multiple, eval_every, timing_batches, repeats,
@@ -245,13 +289,85 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
         gqa_config = load_model_config(stages['gqa_convert']['hf_folder'], who='bench conversion')
         teacher_config = load_model_config(run / 'export' / 'hf', who='bench conversion')
         results['gqa_kv_bytes_per_token'] = kv_cache_bytes(gqa_config, seq_len=1)
+        results['teacher_kv_bytes_per_token'] = kv_cache_bytes(teacher_config, seq_len=1)
         results['mla'] = []  # filled row by row, so that save() keeps what was measured
         mla_rows(run / 'export' / 'hf', run / 'data', work, num_groups / teacher_config.num_key_value_heads,
-                 budget_batches, seed, into=results['mla'], save=save)
+                 budget_batches, seed, into=results['mla'], save=save, score=score)
+        results['mla_paired'] = mla_paired(results['mla'], results['reference'], sequences, seed)
+        save()
+        print_mla_paired(results['mla_paired'])
     _print_method_table(results, stages)
     save()
     print(f'  results.json in {work}')
     return results
+
+
+# Which reference each MLA row's point is compared with, on the same sequences: at 0 tokens mean-pool GQA's start;
+# after training mean-pool GQA and DHA after the same tokens.
+MLA_PAIRS = (('after_conversion', 'gqa_at_0'), ('after_training', 'gqa_after_ct'), ('after_training', 'dha_after_ct'))
+
+
+def mla_paired(rows: list[dict], reference: dict, sequences: dict, seed: int) -> list[dict]:
+    """Each MLA row's loss minus a reference row's (``MLA_PAIRS``), with a 95% paired bootstrap interval over the
+    validation sequences both were scored on."""
+    paired, done = [], set()
+    for row in rows:
+        for point, against in MLA_PAIRS:
+            label = row.get('scored_as', {}).get(point)
+            if label is None or (label, against) in done:  # the distilled row shares the default's 0-token model
+                continue
+            done.add((label, against))
+            difference, low, high = paired_difference(sequences[reference[against]['label']], sequences[label],
+                                                      seed=seed)
+            paired.append({'row': label, 'against': reference[against]['label'], 'point': point,
+                           'difference': difference, 'ci95': [low, high]})
+    return paired
+
+
+def _cell(loss: float | None, ci95: float | None) -> str:
+    if loss is None:
+        return ''
+    return f'{loss:.4f}' + ('' if ci95 is None else f' ± {ci95:.4f}')
+
+
+def mla_table(results: dict) -> str:
+    """The MLA section as a Markdown table: the reference rows and every MLA row, loss at 0 tokens and after the
+    equal budget, each with its 95% interval over validation sequences (the docs quote it whole)."""
+    reference = results['reference']
+    tokens = results['equal_budget_tokens']
+    lines = [f'| row | KV bytes / token | val loss at 0 tokens | val loss after {tokens:,} training tokens |',
+             '| --- | --- | --- | --- |',
+             f'| MHA teacher | {results["teacher_kv_bytes_per_token"]} | '
+             f'{_cell(reference["teacher"]["loss"], reference["teacher"]["ci95"])} | |']
+    for start, trained, name in (('gqa_at_0', 'gqa_after_ct', 'GQA, mean-pool of neighbour heads, then CT'),
+                                 ('dha_at_0', 'dha_after_ct', 'DHA: the Search\'s groups mean-pooled at 0 tokens; '
+                                                              'Fusion, then CT')):
+        lines.append(f'| {name} | {results["gqa_kv_bytes_per_token"]} | '
+                     f'{_cell(reference[start]["loss"], reference[start]["ci95"])} | '
+                     f'{_cell(reference[trained]["loss"], reference[trained]["ci95"])} |')
+    for row in results['mla']:
+        settings = row['settings']
+        what = (f'MLA, {row["variant"]} ({settings["rope_pairs"]} RoPE pairs per K/V head, FreqFold '
+                f'{settings["freq_fold"]}, ranks {row["ranks"]})')
+        lines.append(f'| {what} | {row["kv_bytes_per_token"]} | '
+                     f'{_cell(row["after_conversion"], row.get("after_conversion_ci95"))} | '
+                     f'{_cell(row["after_training"], row.get("after_training_ci95"))} |')
+    return '\n'.join(lines)
+
+
+def mla_paired_table(paired: list[dict]) -> str:
+    """The paired differences (``mla_paired``) as a Markdown table."""
+    lines = ['| MLA row | minus | difference [95%] |', '| --- | --- | --- |']
+    for entry in paired:
+        low, high = entry['ci95']
+        lines.append(f'| {entry["row"]} | {entry["against"]} | {entry["difference"]:+.4f} [{low:+.4f}, {high:+.4f}] |')
+    return '\n'.join(lines)
+
+
+def print_mla_paired(paired: list[dict]) -> None:
+    print()
+    print('  MLA rows minus a reference row, on the same validation sequences (95% paired bootstrap):')
+    print(mla_paired_table(paired))
 
 
 def _print_method_table(results: dict, stages: dict) -> None:
