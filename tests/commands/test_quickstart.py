@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import REPO
@@ -19,12 +22,18 @@ def _quickstart(out, *args):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope='module')
+def short_quickstart(tmp_path_factory):
+    """A 12-step quickstart (4-batch conversions), run once for this file's tests: (its folder, the first run)."""
+    out = tmp_path_factory.mktemp('quickstart') / 'qs'
+    return out, _quickstart(out, '--steps', '12', '--conversion-steps', '4')
+
+
 @pytest.mark.slow
-def test_quickstart_short_run_then_reuse(tmp_path):
+def test_quickstart_short_run_then_reuse(short_quickstart, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / 'qs'
-    first = _quickstart(out, '--steps', '12', '--conversion-steps', '4')
+    out, first = short_quickstart
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     summary = json.loads((out / 'summary.json').read_text())
     rows = summary['per_domain_val_loss']
@@ -108,3 +117,57 @@ def test_quickstart_refuses_a_teacher_the_budget_cannot_split_before_training(tm
         run_quickstart(tmp_path / 'run', teacher=['model.config.num_attention_heads=6',
                                                   'model.config.num_key_value_heads=6'])
     assert not (tmp_path / 'run').exists()
+
+
+BATCH_TOKENS = 16 * 256  # the tiny recipes' global batch x the quickstart's sequence length
+
+
+@pytest.mark.slow
+def test_bench_tokens_curves_on_the_short_quickstart_run(short_quickstart, tmp_path):
+    """`dha-train bench tokens` on the quickstart teacher, the short run reused: each arm's token axis is the tokens
+    its stages trained on, the curves start where their models do, seeds change the runs, and the summary is the
+    curves' own arithmetic."""
+    from dha_train.commands.bench.tokens import TokenBenchSettings, markdown_table, run_token_bench, summarise
+    from dha_train.config import ConfigError
+    from dha_train.stages import DONE_MARKER
+
+    run = short_quickstart[0]
+    settings = TokenBenchSettings(run=str(run), seeds=(1, 2), ct_batches=4, gqa_batches=8, heal_batches=2,
+                                  eval_every=2, quickstart_steps=12, conversion_steps=4, isolate_stages=False,
+                                  results=str(tmp_path / 'copy.json'))
+    with pytest.raises(ConfigError, match='2 or more distinct seeds'):
+        run_token_bench(replace(settings, seeds=(1, 1)))
+    with pytest.raises(ConfigError, match='multiple of --eval-every'):
+        run_token_bench(replace(settings, gqa_batches=7))
+    results = run_token_bench(settings)
+    runs = results['runs']
+    assert [run['seed'] for run in runs['dha']] == [1, 2]
+
+    for dha in runs['dha']:
+        # Search (capped at 4 batches) and Fusion (at most 4) come before CT's first point, the baked model
+        assert dha['search_tokens'] == 4 * BATCH_TOKENS and 1 <= dha['fusion_batches'] <= 4
+        start = dha['search_tokens'] + dha['fusion_tokens']
+        assert [x for x, _ in dha['points']] == [start + b * BATCH_TOKENS for b in (0, 2, 4)]
+    gqa = runs['gqa']
+    assert [x for x, _ in gqa[0]['points']] == [b * BATCH_TOKENS for b in (0, 2, 4, 6, 8)]
+    # every seed starts from the same mean-pooled model, the quickstart's, at its loss; the seeds' batches differ
+    pooled = json.loads((run / 'gqa_ct' / DONE_MARKER).read_text())['initial']['mean']
+    assert all(math.isclose(run['points'][0][1], pooled, rel_tol=1e-5) for run in gqa)
+    assert gqa[0]['points'][-1][1] != gqa[1]['points'][-1][1]
+    assert all(run['points'][-1][1] < run['points'][0][1] for run in gqa)  # CT lowers the loss
+    for healed in runs['healed_gqa']:
+        # refit at 0 tokens, transfer after 2 batches, then KL's 2 more: CT's first point is the KL model
+        xs = [x for x, _ in healed['points']]
+        assert xs == [0, 2 * BATCH_TOKENS] + [4 * BATCH_TOKENS + b * BATCH_TOKENS for b in (0, 2, 4)]
+        assert healed['points'][0][1] < pooled  # the refit alone improves on mean-pool
+
+    # the summary is the curves' arithmetic: recomputed from the per-seed points it is the same
+    again = summarise(runs, seed=1)
+    assert again['tokens_to_reach_dha'] == results['tokens_to_reach_dha']
+    first = results['curves']['gqa'][0]
+    assert math.isclose(first['loss'], np.mean([run['points'][0][1] for run in gqa])) and first['ci95'] < 1e-5
+    assert len(results['tokens_to_reach_dha']['gqa']) == len(results['curves']['dha']) == 3
+    assert markdown_table(results).count('\n') == 2 + 3 - 1
+    out = run / 'bench_tokens'
+    assert json.loads((out / 'results.json').read_text()) == json.loads((tmp_path / 'copy.json').read_text())
+    assert (out / 'tokens.png').stat().st_size > 10_000
