@@ -53,7 +53,7 @@ def command_line() -> str:
     return shlex.join(['dha-train', *sys.argv[1:]])
 
 
-def run_stage(work: Path, name: str, build, isolated: bool) -> dict:
+def run_stage(work: Path, name: str, build, isolated: bool, say=say) -> dict:
     def build_in_folder(folder: Path) -> dict:  # this bench's stages write into a folder made for them
         folder.mkdir(parents=True, exist_ok=True)
         return build(folder)

@@ -370,6 +370,13 @@ QUOTING_SECTIONS = {
     ('docs/methods/dha.md', "## Fusion at a third of SmolLM2's cache"): {
         'files': ('bench_fusion.json', 'bench_fusion_budgets.json', 'bench_real.json', 'bench_real_dha.json'),
         'elsewhere': {}},
+    ('docs/benchmarks/quality.md', "## MLA on the quickstart teacher at the class's defaults"): {
+        'files': ('bench_conversion_mla.json',),
+        'elsewhere': {'4.2931': 'the 2026-11-25 run, the table above', '3.7700': 'the 2026-11-25 run, the table above',
+                      '0.04': "a bound on the table's 0-token differences", '0.15': "the table's intervals, rounded"}},
+    ('docs/methods/dha.md', "## DHA's tokens against GQA's"): {
+        'files': ('bench_tokens.json',),
+        'elsewhere': {'1.67': "bench conversion's single run (quality.md)"}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
 }
@@ -459,3 +466,43 @@ def test_the_dha_page_rows_of_the_converging_recipe_are_the_bench_output():
     runs = load_runs(RESULTS / DHA_ROWS)
     for table in (healing_table(runs), headline_table(runs)):
         assert table_problems(page, table, 'docs/methods/dha.md', after=DHA_ROWS_LINE) == []
+
+
+# bench tokens: each teacher's table on the DHA page, under its own heading (the two tables share a header)
+TOKEN_TABLES = {'bench_tokens.json': '### On the quickstart teacher, at a quarter of its cache'}
+
+
+@pytest.mark.parametrize('results_file', list(TOKEN_TABLES))
+def test_the_token_study_tables_are_the_bench_output(results_file):
+    from dha_train.commands.bench.tokens import markdown_table
+
+    page = (REPO / 'docs' / 'methods' / 'dha.md').read_text()
+    results = json.loads((RESULTS / results_file).read_text())
+    assert len(results['settings']['seeds']) >= 3 and all(len(runs) >= 3 for runs in results['runs'].values())
+    assert table_problems(page, markdown_table(results), 'docs/methods/dha.md', after=TOKEN_TABLES[results_file]) == []
+
+
+def test_an_edited_token_study_ratio_fails():
+    from dha_train.commands.bench.tokens import markdown_table
+
+    page = (REPO / 'docs' / 'methods' / 'dha.md').read_text()
+    row = markdown_table(json.loads((RESULTS / 'bench_tokens.json').read_text())).splitlines()[-1]
+    edited = page.replace(row, row.replace(' [', ' [9', 1), 1)
+    assert edited != page
+    assert table_problems(edited, row, 'docs/methods/dha.md', after=TOKEN_TABLES['bench_tokens.json']) != []
+
+
+# bench conversion's MLA section (the quickstart teacher): its two tables on the quality page
+CONVERSION_MLA = 'bench_conversion_mla.json'
+CONVERSION_MLA_LINE = '## MLA on the quickstart teacher at the class\'s defaults (`dha-train bench conversion --sections mla`)'
+
+
+@pytest.mark.parametrize('table', ['mla_table', 'mla_paired'])
+def test_the_conversion_mla_tables_are_the_bench_output(table):
+    from dha_train.commands.bench import conversion
+
+    page = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
+    results = json.loads((RESULTS / CONVERSION_MLA).read_text())
+    generated = (conversion.mla_table(results) if table == 'mla_table'
+                 else conversion.mla_paired_table(results['mla_paired']))
+    assert table_problems(page, generated, 'docs/benchmarks/quality.md', after=CONVERSION_MLA_LINE) == []

@@ -175,7 +175,7 @@ def quickstart_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
     cap = settings.conversion_steps
 
     def stage(name: str, build) -> dict:
-        return run_stage(work, name, build, settings.isolate_stages)
+        return run_stage(work, name, build, settings.isolate_stages, say=say)
 
     def curve(name: str, model: str, batches: int, recipe: str, seed: int) -> dict:
         def build(out: Path) -> dict:
