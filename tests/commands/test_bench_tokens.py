@@ -53,3 +53,17 @@ def test_bench_tokens_on_a_gqa_source_at_two_thirds_runs_bench_reals_stages(tmp_
         assert [x for x, _ in healed['points']] == [2 * batch_tokens, 4 * batch_tokens]
     assert summarise(runs, seed=1)['tokens_to_reach_dha'] == results['tokens_to_reach_dha']
     assert (tmp_path / 'bench' / 'bench_tokens_kv2' / 'tokens.png').is_file()
+
+
+def test_a_setting_of_the_other_teacher_is_refused_not_ignored():
+    from dha_train.commands.bench.tokens import resolve
+
+    with pytest.raises(ConfigError, match='--budget, --text do not apply to --teacher quickstart'):
+        resolve(TokenBenchSettings(budget='kv1', text='/somewhere'))
+    with pytest.raises(ConfigError, match='--conversion-steps do not apply to --teacher smollm2'):
+        resolve(TokenBenchSettings(teacher='smollm2', conversion_steps=4))
+    with pytest.raises(ConfigError, match="--teacher must be one of quickstart, smollm2, got 'llama'"):
+        resolve(TokenBenchSettings(teacher='llama'))
+    filled = resolve(TokenBenchSettings(teacher='smollm2'))
+    assert (filled.run, filled.budget, filled.gqa_batches, filled.text_tokens) == ('bench_real', 'kv2', 16, 8192)
+    assert resolve(TokenBenchSettings()).text_tokens is None  # the quickstart scores its own validation split

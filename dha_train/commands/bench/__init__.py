@@ -296,13 +296,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                '--eval-every': ('batches between evaluations of a CT', 'eval_every')}.items():
         defaults = ', '.join(f'{teacher} {values[name]}' for teacher, values in TOKEN_DEFAULTS.items())
         tokens.add_argument(flag, dest=name, type=int, default=None, help=f'{what} (default: {defaults})')
-    tokens.add_argument('--budget', default=token_defaults.budget, choices=['kv1', 'kv2'],
-                        help='smollm2: a third (kv1) or two thirds (kv2) of its K+V cache (default: %(default)s)')
+    tokens.add_argument('--budget', default=None, choices=['kv1', 'kv2'],
+                        help='smollm2: a third (kv1) or two thirds (kv2) of its K+V cache (default: kv2)')
     tokens.add_argument('--fusion-batches', dest='fusion_batches', type=int, default=None,
                         help='smollm2: Fusion\'s cap in batches (default: bench real\'s training budget)')
     tokens.add_argument('--text', default=None, help='smollm2: the held-out text, a folder or a glob (default: the '
                         'Rust book\'s chapters)')
-    tokens.add_argument('--text-tokens', dest='text_tokens', type=int, default=token_defaults.text_tokens)
+    tokens.add_argument('--text-tokens', dest='text_tokens', type=int, default=None,
+                        help='smollm2: tokens of the held-out text scored at each evaluation (default: 8192)')
     tokens.add_argument('--device', default=token_defaults.device, choices=['auto', 'cpu', 'cuda'])
     tokens.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
     tokens.set_defaults(func=run_tokens)

@@ -73,9 +73,13 @@ TEACHERS = ('quickstart', 'smollm2')
 CONSTANT_LR = 'scheduler.alpha_f=1.0'  # the recipes' cosine decays to alpha_f x lr; 1 holds it after warm-up
 # Per teacher: the run folder, and the CT, healing and evaluation lengths in batches. The quickstart's: its CT length,
 # four times it for mean-pool (long enough to reach DHA's losses, or to show it does not), the tiny healing recipes'
-# length. SmolLM2's fit 2 cores: 8 x 256 tokens a batch at about 13 s.
+# length. SmolLM2's fit 2 cores (8 x 256 tokens a batch at about 10 s): CT as long as bench real's after its Fusion,
+# mean-pool's as long as bench real's budget, the held-out text's 32 sequences scored at every evaluation.
 DEFAULTS = {'quickstart': dict(run='quickstart_run', ct_batches=120, gqa_batches=480, heal_batches=40, eval_every=20),
-            'smollm2': dict(run='bench_real', ct_batches=8, gqa_batches=24, heal_batches=4, eval_every=4)}
+            'smollm2': dict(run='bench_real', ct_batches=8, gqa_batches=16, heal_batches=4, eval_every=4,
+                            budget='kv2', text_tokens=8192)}
+SMOLLM2_ONLY = ('budget', 'fusion_batches', 'text', 'text_tokens', 'real')
+QUICKSTART_ONLY = ('quickstart_steps', 'conversion_steps')
 REAL_WARMUP = '1ba'  # every SmolLM2 CT's warm-up, whatever its length (bench real's is 10% of the run)
 MAX_DOCUMENT_CHARS = 4096  # as `bench mla-zero`: the text's sequences come from many documents, not the longest few
 
@@ -99,10 +103,10 @@ class TokenBenchSettings:
     quickstart_steps: int | None = None
     conversion_steps: int | None = None  # also caps DHA's Search and Fusion here
     # SmolLM2 only
-    budget: str = 'kv2'
+    budget: str | None = None  # kv1 or kv2
     fusion_batches: int | None = None  # Fusion's cap (default: bench real's training budget in batches)
     text: str | None = None  # the held-out text, a folder or a glob (default: the Rust book's chapters)
-    text_tokens: int = 16384
+    text_tokens: int | None = None
     device: str = 'auto'
     # bench real's settings (its source, training data, batch, held-out text; None: its defaults); --run, --device
     # and isolate_stages replace its out, device and isolate_stages
@@ -114,13 +118,18 @@ def resolve(settings: TokenBenchSettings) -> TokenBenchSettings:
     """The teacher's defaults filled in, and every setting checked before anything runs."""
     if settings.teacher not in TEACHERS:
         raise ConfigError(f"bench tokens: --teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
+    ignored = [name for name in (SMOLLM2_ONLY if settings.teacher == 'quickstart' else QUICKSTART_ONLY)
+               if getattr(settings, name) is not None]
+    if ignored:
+        raise ConfigError(f'bench tokens: {", ".join("--" + name.replace("_", "-") for name in ignored)} do not apply to '
+                          f'--teacher {settings.teacher}')
     filled = replace(settings, **{key: value for key, value in DEFAULTS[settings.teacher].items()
                                   if getattr(settings, key) is None})
     if len(set(filled.seeds)) < 2 or len(set(filled.seeds)) != len(filled.seeds):
         raise ConfigError(f'bench tokens: --seeds needs 2 or more distinct seeds (an interval over seeds), got '
                           f'{list(filled.seeds)}')
     for name in ('ct_batches', 'gqa_batches', 'heal_batches', 'eval_every', 'text_tokens'):
-        if getattr(filled, name) < 1:
+        if getattr(filled, name) is not None and getattr(filled, name) < 1:
             raise ConfigError(f'bench tokens: --{name.replace("_", "-")} must be >= 1, got {getattr(filled, name)}')
     for name in ('ct_batches', 'gqa_batches'):
         if getattr(filled, name) % filled.eval_every:
