@@ -375,7 +375,7 @@ QUOTING_SECTIONS = {
         'elsewhere': {'4.2931': 'the 2026-11-25 run, the table above', '3.7700': 'the 2026-11-25 run, the table above',
                       '0.04': "a bound on the table's 0-token differences", '0.15': "the table's intervals, rounded"}},
     ('docs/methods/dha.md', "## DHA's tokens against GQA's"): {
-        'files': ('bench_tokens.json',),
+        'files': ('bench_tokens.json', 'bench_tokens_smollm2.json'),
         'elsewhere': {'1.67': "bench conversion's single run (quality.md)"}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
@@ -469,7 +469,8 @@ def test_the_dha_page_rows_of_the_converging_recipe_are_the_bench_output():
 
 
 # bench tokens: each teacher's table on the DHA page, under its own heading (the two tables share a header)
-TOKEN_TABLES = {'bench_tokens.json': '### On the quickstart teacher, at a quarter of its cache'}
+TOKEN_TABLES = {'bench_tokens.json': '### On the quickstart teacher, at a quarter of its cache',
+                'bench_tokens_smollm2.json': '### On SmolLM2-135M, at two thirds of its cache'}
 
 
 @pytest.mark.parametrize('results_file', list(TOKEN_TABLES))
