@@ -101,6 +101,14 @@ def domain_means(sequences: dict[str, list[float]]) -> dict[str, float]:
     return {**means, 'mean': sum(means.values()) / len(means)}
 
 
+def folder_sequence_losses(folder: str | Path, texts: dict[str, str | Path], device: str = 'cpu'
+                           ) -> dict[str, dict[str, list[float]]]:
+    """``sequence_losses`` of the model in ``folder`` (an HF folder or a checkpoint) on each data folder of ``texts``,
+    by name: the model loaded once for all of them."""
+    model, tokenizer = load_model(folder, device=device)
+    return {name: sequence_losses(model, tokenizer, root, device=device) for name, root in texts.items()}
+
+
 @torch.no_grad()
 def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8,
                     device: str = 'cpu') -> dict[str, list[float]]:

@@ -38,8 +38,6 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.callbacks.throughput_probe import ThroughputProbe
@@ -48,7 +46,7 @@ from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
-from dha_train.evaluation import load_model, sequence_losses
+from dha_train.evaluation import folder_sequence_losses
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_folders import load_model_config
@@ -151,9 +149,7 @@ def sequence_scorer(data: Path, into: dict):
     """``score(label, folder)``: the model's loss on each validation sequence of ``data`` (per domain), kept in
     ``into[label]`` for paired comparisons, and returned as (mean of the domains' means, its 95% half-width)."""
     def score(label: str, folder: str | Path) -> tuple[float, float]:
-        model, tokenizer = load_model(folder)
-        with torch.no_grad():
-            into[label] = sequence_losses(model, tokenizer, data)
+        into[label] = folder_sequence_losses(folder, {label: data})[label]
         return mean_of_means_interval(into[label])
     return score
 

@@ -40,7 +40,7 @@ from dha_train.bench_runner import (
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.bench_support import bench_say
 from dha_train.config import ConfigError
-from dha_train.evaluation import load_model, sequence_losses
+from dha_train.evaluation import folder_sequence_losses
 from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.ops.intervals import mean_of_means_interval, paired_difference
@@ -68,11 +68,6 @@ class FusionBenchSettings:
     val_tokens: int | None = None
     isolate_stages: bool = True
     overrides: dict | None = None  # recipe variables for every run (tests: e.g. a threshold every run reaches)
-
-
-def _losses(folder: str | Path, data: Path, device: str) -> dict[str, list[float]]:
-    model, tokenizer = load_model(folder, device=device)
-    return sequence_losses(model, tokenizer, data, device=device)
 
 
 def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
@@ -167,7 +162,7 @@ def score_stage(runner: StageRunner, runs: Path, name: str, folder: str, texts: 
                 device: str) -> dict[str, list[float]]:
     """The loss of every sequence of each text under the model in ``folder``, as a stage (reused when run again)."""
     def score(out: Path) -> dict:
-        scored = {text: _losses(folder, root, device) for text, root in texts.items()}
+        scored = folder_sequence_losses(folder, texts, device)
         (out / 'sequence_losses.json').write_text(json.dumps(scored))
         return {'file': str(out / 'sequence_losses.json')}
 
