@@ -79,7 +79,7 @@ from dha_train.model_card import KV_TOKENS, card_stage, read_model_card, write_m
 from dha_train.model_folders import file_sha256, load_model_config, safetensors_files
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
-from dha_train.ops.deepseek import latent_eps_scale, scale_latent_rows
+from dha_train.ops.deepseek import latent_eps_scale, scale_latent_rows, unquantizable_cache
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 from dha_train.untrusted import load_tokenizer_folder
 
@@ -280,6 +280,8 @@ class GgufReport:
     kv_bytes_per_token_f16: int = 0  # every layer's K+V cache for one token, as the engine holds it in f16
     source_kv_bytes_per_token_f16: int | None = None
     tensors: int = 0
+    # why llama.cpp cannot quantize this file's K/V cache (-ctk/-ctv q8_0), or None when it can
+    cache_unquantizable: str | None = None
 
 
 # --- what a folder becomes ---------------------------------------------------------------------------------------
@@ -305,6 +307,15 @@ def _first_use(mapping: list[int] | tuple[int, ...], order: list[int]) -> list[i
     for head in order:
         seen.setdefault(int(mapping[head]), None)
     return list(seen)
+
+
+def _cache_unquantizable(config) -> str | None:
+    """Why llama.cpp will refuse a quantized K/V cache for the file (``ops.deepseek.unquantizable_cache``)."""
+    if config.model_type == 'deepseek_v3':  # MLA caches the latent + key as K, and reads the latent as V
+        rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+        return unquantizable_cache({'the K head (kv_lora_rank + qk_rope_head_dim)': rank + rope,
+                                    'the V head (kv_lora_rank)': rank})
+    return unquantizable_cache({'the head size': head_dim(config)})
 
 
 def _refusal(config) -> str | None:
@@ -643,7 +654,7 @@ def export_gguf(folder: str | Path, out: str | Path, *, outtype: str = 'f16', ov
         architecture = 'llama' if len(set(kv_heads)) == 1 else 'deci'
 
     staging = out.with_name(f'.{out.name}.partial')
-    report = GgufReport(out, architecture, outtype, kv_heads)
+    report = GgufReport(out, architecture, outtype, kv_heads, cache_unquantizable=_cache_unquantizable(config))
     try:
         with ExitStack() as stack:
             weights = _Weights(folder, stack)

@@ -5,7 +5,9 @@ what ``dha-train bench serve`` times.
 - ``logits``: one row per position of a prompt, from llama.cpp's forward pass;
 - ``greedy``: argmax decoding over llama.cpp's own K/V cache;
 - ``kv_cache``: the cache llama.cpp allocated for ``n_ctx`` tokens, as its loader reports it (the
-  ``llama_kv_cache: size = ... K (f16): ... MiB, V (f16): ... MiB`` line, read from its log).
+  ``llama_kv_cache: size = ... K (f16): ... MiB, V (f16): ... MiB`` line, read from its log);
+- ``LlamaCppSequences``: many sequences decoded together in one context, one token of each per step (llama.cpp's
+  batch API, as llama-server decodes its slots), each sequence in its own K/V stream.
 
 Flash attention is on by default, as llama-server's ``--flash-attn auto`` turns it on for the CPU: without it llama.cpp
 stores V transposed and pads every layer's V cache to the widest layer's, so a model whose layers keep different K/V
@@ -63,6 +65,7 @@ class KvCache:
 
 
 _LOG: list[str] = []
+CACHE_TYPES = ('f16', 'f32', 'q8_0')  # K/V cache types (llama.cpp's -ctk / -ctv); q8_0 needs flash attention
 
 
 def _capture_log():
@@ -92,18 +95,16 @@ class LlamaCppModel:
             raise LlamaCppError(f'no GGUF file at {path}')
         if _CALLBACK is None:
             _CALLBACK = _capture_log()
-        types = {'f16': llama_cpp.GGML_TYPE_F16, 'f32': llama_cpp.GGML_TYPE_F32, 'q8_0': llama_cpp.GGML_TYPE_Q8_0}
+        types = _ggml_types(cache_type)
         start = len(_LOG)
         threads = threads or os.cpu_count() or 1
         try:
             self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                        n_threads=threads, n_threads_batch=threads, logits_all=all_logits,
-                                       type_k=types[cache_type], type_v=types[cache_type],
+                                       type_k=types, type_v=types,
                                        flash_attn=flash_attention, vocab_only=vocab_only, verbose=False, seed=0)
         except ValueError as exc:  # llama-cpp-python's wording for a file the loader refused
-            log = ''.join(_LOG[start:]).strip().splitlines()
-            reason = next((line for line in reversed(log) if 'error' in line.lower()), log[-1] if log else '')
-            raise LlamaCppError(f'llama.cpp could not load {path}: {reason or exc}') from None
+            raise LlamaCppError(f'llama.cpp could not load {path}: {_refusal(start) or exc}') from None
         self.log = ''.join(_LOG[start:])
         self.path, self.all_logits = path, all_logits
         self.kv_cache = _parse_kv(self.log)
@@ -161,6 +162,145 @@ class LlamaCppModel:
         self.llm.close()
 
     def __enter__(self) -> LlamaCppModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ggml_types(cache_type: str) -> int:
+    llama_cpp = require_llama_cpp()
+    if cache_type not in CACHE_TYPES:
+        raise LlamaCppError(f"cache type must be one of {', '.join(CACHE_TYPES)}, got '{cache_type}'")
+    return {'f16': llama_cpp.GGML_TYPE_F16, 'f32': llama_cpp.GGML_TYPE_F32,
+            'q8_0': llama_cpp.GGML_TYPE_Q8_0}[cache_type]
+
+
+def _refusal(start: int) -> str:
+    """The line of llama.cpp's log since ``start`` that says why it refused (its last error line)."""
+    log = ''.join(_LOG[start:]).strip().splitlines()
+    return next((line.strip() for line in reversed(log) if 'error' in line.lower()), log[-1] if log else '')
+
+
+class LlamaCppSequences:
+    """One GGUF file in llama.cpp with room for ``sequences`` sequences of ``context`` tokens each, decoded together.
+
+    Each sequence has its own K/V stream (``kv_unified`` off: what llama-server does with ``-np N`` given, and what
+    llama.cpp advises for sequences that share no prefix), so a step over N sequences reads N separate caches. A
+    prompt is processed once into sequence 0 and copied into the others with ``llama_memory_seq_cp``, which between
+    streams copies the cache's memory: every sequence then holds its own copy, as if it had processed the prompt
+    itself, without N times the prompt's time. Decoding steps hand each active sequence one token in one batch."""
+
+    def __init__(self, path: str | Path, *, sequences: int, context: int, threads: int | None = None,
+                 cache_type: str = 'f16', n_batch: int = 512):
+        global _CALLBACK
+        llama_cpp = require_llama_cpp()
+        path = Path(path)
+        if not path.is_file():
+            raise LlamaCppError(f'no GGUF file at {path}')
+        if sequences < 1 or context < 1:
+            raise LlamaCppError(f'sequences and context must be >= 1, got {sequences} and {context}')
+        if _CALLBACK is None:
+            _CALLBACK = _capture_log()
+        threads = threads or os.cpu_count() or 1
+        start = len(_LOG)
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode('utf-8'), model_params)
+        if not self.model:
+            raise LlamaCppError(f'llama.cpp could not load {path}: {_refusal(start)}')
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = sequences * context, n_batch, n_batch
+        params.n_seq_max, params.kv_unified = sequences, False
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_k = params.type_v = _ggml_types(cache_type)
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise LlamaCppError(f'llama.cpp refused a {cache_type} K/V cache for {path}: {_refusal(start)}')
+        self.log = ''.join(_LOG[start:])
+        self.kv_cache = _parse_kv(self.log)
+        self.path, self.sequences, self.context, self.cache_type = path, sequences, context, cache_type
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(max(n_batch, sequences), 0, 1)
+        self.n_batch, self.prompt_length, self.next_token = n_batch, 0, -1
+
+    @property
+    def kv_mib_per_sequence(self) -> float:
+        """K+V MiB of one sequence's stream, from llama.cpp's report of the whole cache."""
+        return (self.kv_cache.k_mib + self.kv_cache.v_mib) / self.sequences
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of (token, position, sequence, wants logits) entries."""
+        llama_cpp = require_llama_cpp()
+        batch = self.batch
+        batch.n_tokens = len(entries)
+        for i, (token, position, sequence, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = sequence, logits
+        code = llama_cpp.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise LlamaCppError(f'llama_decode returned {code} for {self.path}')
+
+    def _argmax(self, index: int) -> int:
+        llama_cpp = require_llama_cpp()
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,))
+        return int(np.argmax(row))
+
+    def fill(self, tokens: list[int]) -> float:
+        """``tokens`` processed into sequence 0 from an empty cache (prompt tokens/s), then copied into every other
+        sequence; ``next_token`` is the argmax after them. Decoding resumes after them."""
+        llama_cpp = require_llama_cpp()
+        if not 0 < len(tokens) < self.context:
+            raise LlamaCppError(f'a prompt of {len(tokens)} tokens does not leave room to decode in {self.context}')
+        llama_cpp.llama_memory_clear(self.memory, True)
+        started = time.perf_counter()
+        for first in range(0, len(tokens), self.n_batch):
+            chunk = tokens[first:first + self.n_batch]
+            last = first + len(chunk) == len(tokens)
+            self._decode([(token, first + i, 0, last and i == len(chunk) - 1) for i, token in enumerate(chunk)])
+        seconds = time.perf_counter() - started
+        self.next_token = self._argmax(len(tokens) - 1 - (len(tokens) - 1) // self.n_batch * self.n_batch)
+        for sequence in range(1, self.sequences):
+            llama_cpp.llama_memory_seq_cp(self.memory, 0, sequence, -1, -1)
+        self.prompt_length = len(tokens)
+        # one untimed step of every sequence: the copies are made at the next decode, and the first step warms up
+        self.decode(self.sequences, 1, [self.next_token] * self.sequences)
+        return len(tokens) / seconds
+
+    def decode(self, active: int, steps: int, first_tokens: list[int]) -> tuple[float, list[list[int]]]:
+        """``steps`` greedy steps of sequences ``0..active-1`` together, each from the end of the prompt with its own
+        first token: (aggregate tokens/s, each sequence's argmax tokens). Their new tokens are removed after, so
+        every round reads the same cache."""
+        llama_cpp = require_llama_cpp()
+        if not 1 <= active <= self.sequences or len(first_tokens) != active:
+            raise LlamaCppError(f'decode: {active} active sequences of {self.sequences}, {len(first_tokens)} tokens')
+        if self.prompt_length + steps > self.context:
+            raise LlamaCppError(f'decode: {steps} steps after {self.prompt_length} tokens exceed {self.context}')
+        tokens, generated = list(first_tokens), [[] for _ in range(active)]
+        started = time.perf_counter()
+        for step in range(steps):
+            self._decode([(tokens[s], self.prompt_length + step, s, True) for s in range(active)])
+            tokens = [self._argmax(s) for s in range(active)]
+            for sequence, token in enumerate(tokens):
+                generated[sequence].append(token)
+        seconds = time.perf_counter() - started
+        for sequence in range(active):
+            llama_cpp.llama_memory_seq_rm(self.memory, sequence, self.prompt_length, -1)
+        return active * steps / seconds, generated
+
+    def close(self) -> None:
+        llama_cpp = require_llama_cpp()
+        if self.ctx:
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            self.ctx = None
+
+    def __enter__(self) -> LlamaCppSequences:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,7 @@ MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 # Options of DeepSeek's format only (the project's MLA class has no latent norm).
-_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin')
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin', 'quantizable_cache')
 # Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
 # settings classes hold the defaults.
 _MLA_SHARED = ('rope_pairs', 'freq_fold', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help='deepseek, with --latent-norm-fit regression or scalar: no pin channel (by default, each '
                           'layer where it lowers the held-out error gets one latent channel that holds the latent\'s '
                           'RMS near-constant)')
+    mla.add_argument('--quantizable-cache', dest='quantizable_cache', action='store_const', const=True, default=None,
+                     help='deepseek: size the latent and the RoPE key in whole 32-value blocks, so that llama.cpp can '
+                          'quantize the cache (-ctk q8_0 -ctv q8_0: half the f16 cache); the key nearest a quarter of '
+                          'the cached numbers, at stride 1. On SmolLM2-135M it cost 0.023 nats at a third and 0.053 '
+                          'at two thirds against the default split')
     mla.add_argument('--balance', choices=BALANCES, default=None,
                      help=f'scale the keys against the values before the joint factorisation (default '
                           f'{defaults.balance}): energy (equal total '

@@ -30,4 +30,8 @@ def run(args: argparse.Namespace) -> int:
              if report.source_kv_bytes_per_token_f16 else '')
     print(f'dha-train export-gguf: wrote {report.path} ({report.architecture}, {report.outtype}, {report.tensors} '
           f'tensors; {layout}; K/V cache {report.kv_bytes_per_token_f16:,} bytes per token in f16{share})')
+    if report.cache_unquantizable:
+        advice = (' (convert with --quantizable-cache for one it can)' if report.architecture == 'deepseek2' else '')
+        print(f'dha-train export-gguf: llama.cpp cannot quantize this file\'s K/V cache (-ctk/-ctv q8_0): '
+              f'{report.cache_unquantizable}{advice}; it runs with an f16 cache')
     return 0

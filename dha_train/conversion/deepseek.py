@@ -26,6 +26,7 @@ from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.deepseek import (
     LATENT_NORM_EPS,
     LATENT_NORM_FITS,
+    QUANTIZED_CACHE_BLOCK,
     deepseek_attention_weights,
     kv_b_weight,
     latent_norm_fit,
@@ -48,6 +49,12 @@ CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: 
 DEFAULT_FREQ_FOLD = 2
 ROPE_PAIR_SHARE = 0.625  # of the head's RoPE pairs
 ROPE_BUDGET_CAP = 1 / 3  # of the numbers cached per token and layer
+# --quantizable-cache: llama.cpp quantizes a K/V cache (-ctk q8_0 -ctv q8_0) only when the K head (latent + RoPE key)
+# and the V head (the latent) are multiples of its 32-value blocks. Of the splits that are, the one whose key is
+# nearest a quarter of the cached numbers, at stride 1: on SmolLM2-135M's validation text (vim) that was the better
+# of the two candidates at each budget (32 + 96 at a third, 64 + 192 at two thirds; stride 2 lost 0.12 at a third),
+# and it costs 0.023 nats at a third and 0.053 at two thirds against the default split (docs/methods/mla.md).
+QUANTIZABLE_KEY_SHARE = 0.25  # of the numbers cached per token and layer
 
 
 @dataclass
@@ -58,6 +65,8 @@ class DeepseekSettings:
     rope_pairs: int | None = None
     # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
     freq_fold: int = DEFAULT_FREQ_FOLD
+    # the latent and the RoPE key sized in multiples of QUANTIZED_CACHE_BLOCK, so llama.cpp can quantize the cache
+    quantizable_cache: bool = False
     # linear (the latent scaled into the norm's linear range), regression (kv_b regressed on the normed latent) or
     # scalar (the mean RMS); ops.deepseek
     latent_norm_fit: str = 'linear'
@@ -94,6 +103,8 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     source = 2 * kv_heads * dim
     numbers = math.floor(settings.cache_fraction * source + 1e-9)  # cached per token and layer
+    if settings.quantizable_cache:
+        return (*quantizable_split(numbers, dim, settings.rope_pairs), source)
     default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))
     pairs = settings.rope_pairs if settings.rope_pairs is not None else default_pairs
     if not 1 <= pairs <= dim // 2:
@@ -179,14 +190,35 @@ def layer_weights(attention, config, mix: torch.Tensor, rank: int,
             'o_proj.weight': attention.o_proj.weight.detach().float()}
 
 
+def quantizable_split(numbers: int, dim: int, rope_pairs: int | None) -> tuple[int, int]:
+    """(key pairs, latent rank) whose K head (rank + key) and V head (rank) are whole QUANTIZED_CACHE_BLOCKs; the key
+    ``2 * rope_pairs`` when given, else the block multiple nearest QUANTIZABLE_KEY_SHARE of ``numbers``."""
+    block = QUANTIZED_CACHE_BLOCK
+    keys = [key for key in range(block, min(dim, numbers - block) + 1, block)]
+    if numbers % block or not keys:
+        raise ConfigError(f'convert --format deepseek --quantizable-cache: the budget\'s {numbers} numbers per token '
+                          f'and layer do not split into a latent and a RoPE key of whole {block}-value blocks (both at '
+                          f'least {block}, the key at most the {dim}-dim head); choose a --cache-fraction whose '
+                          f'numbers are a multiple of {block}, at least {2 * block}')
+    if rope_pairs is not None:
+        if 2 * rope_pairs not in keys:
+            raise ConfigError(f'convert --format deepseek --quantizable-cache: --rope-pairs {rope_pairs} gives a '
+                              f'{2 * rope_pairs}-dim key; it must be one of {keys} (dims, whole {block}-value blocks)')
+        key = 2 * rope_pairs
+    else:
+        key = min(keys, key=lambda width: (abs(width - QUANTIZABLE_KEY_SHARE * numbers), width))
+    return key // 2, numbers - key
+
+
 def choose_shared_key(cross_energies: list[torch.Tensor], dim: int, pairs: int,
-                      fold: int) -> tuple[int, list[torch.Tensor], list[float]]:
-    """(the stride, each layer's ``mix`` at it, each layer's share of its key energy kept rotated): the stride whose
-    shared key keeps the most key energy, summed over layers as shares (layers of different scale count alike)."""
+                      fold: int, strides: list[int] | None = None) -> tuple[int, list[torch.Tensor], list[float]]:
+    """(the stride, each layer's ``mix`` at it, each layer's share of its key energy kept rotated): of ``strides``
+    (default: every stride the pairs fit), the one whose shared key keeps the most key energy, summed over layers as
+    shares (layers of different scale count alike)."""
     # each layer's whole key energy: the trace of its (pair, head) x (pair, head) energy
     totals = [float(cross.flatten(0, 1).flatten(1, 2).trace()) for cross in cross_energies]
     best = None
-    for stride in stride_choices(dim, pairs):
+    for stride in strides or stride_choices(dim, pairs):
         slots = strided_pairs(pairs, stride)
         mixes, shares = [], []
         for cross, total in zip(cross_energies, totals):
@@ -237,7 +269,8 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         running = calibration.layer(index, 'input').running
         covariances.append((running.gram / running.count).double().cpu())
         cross_energies.append(pair_key_cross_energy(attention.k_proj.weight.detach(), covariances[-1], kv_heads, dim))
-    stride, mixes, kept_shares = choose_shared_key(cross_energies, dim, pairs, settings.freq_fold)
+    stride, mixes, kept_shares = choose_shared_key(cross_energies, dim, pairs, settings.freq_fold,
+                                                   [1] if settings.quantizable_cache else None)
     kept = strided_pairs(pairs, stride)
 
     ds_config = deepseek_config(config, rank, pairs, stride)

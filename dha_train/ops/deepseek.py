@@ -86,6 +86,19 @@ PIN_DOMINANCE = 30.0  # the pin channel's mean over the RMS of the other latent 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 
 
+# llama.cpp's quantized K/V cache types (q8_0, q4_0, ...) store blocks of 32 values: it refuses one for a model whose
+# K or V head size is not a multiple (llama_init_from_model: "K cache type q8_0 with block size 32 does not divide").
+QUANTIZED_CACHE_BLOCK = 32
+
+
+def unquantizable_cache(sizes: dict[str, int]) -> str | None:
+    """Why llama.cpp cannot quantize a cache with these {name: size} head sizes (None when it can)."""
+    bad = [f'{name} {size}' for name, size in sizes.items() if size % QUANTIZED_CACHE_BLOCK]
+    if not bad:
+        return None
+    return f'{" and ".join(bad)} {"is" if len(bad) == 1 else "are"} not a multiple of {QUANTIZED_CACHE_BLOCK}'
+
+
 def strided_pairs(pairs: int, stride: int) -> list[int]:
     """The pairs a stride keeps: 0, s, ..., (p-1)s."""
     return [k * stride for k in range(pairs)]

@@ -239,47 +239,6 @@ def test_a_chat_template_travels_into_the_file(sources, tmp_path):
     assert _field(reader, 'tokenizer.ggml.eos_token_id') == AutoTokenizer.from_pretrained(folder).eos_token_id
 
 
-def test_bench_serve_times_every_model_against_its_source_in_one_run(folders, sources, tmp_path, data_root, capsys):
-    """`bench serve` on a stand-in for a bench real folder (the tiny GQA source as the teacher, the DeepSeek-format
-    conversion of it as MLA at a third): ratios to the source in the same run, the engine's cache, losses."""
-    from dha_train.commands.bench.serve import MODELS
-
-    val_loss = 5.0
-    rows = [{'label': 'teacher', 'method': 'teacher', 'budget': None, 'val_loss': val_loss,
-             'hf_folder': str(sources['gqa'])},
-            {'label': 'MLA-DeepSeek kv1 +KL', 'method': 'mla_deepseek', 'budget': 'kv1', 'val_loss': val_loss,
-             'hf_folder': str(folders['deepseek'])},
-            # unequal groups in a layer (SmolLM2's 9 query heads over 2 K/V heads at two thirds): skipped, not fatal
-            {'label': 'mean-pool kv2 +KL', 'method': 'mean_pool', 'budget': 'kv2', 'val_loss': val_loss,
-             'hf_folder': str(_converted(sources['mha'], tmp_path / 'uneven', UNEQUAL, UNEQUAL))}]
-    real = tmp_path / 'real'
-    real.mkdir()
-    (real / 'results.json').write_text(json.dumps({'rows': rows, 'data': {'heldout': {
-        'root': str(data_root), 'domain_label': 'github'}}}))
-    out = tmp_path / 'serve'
-    assert main(['bench', 'serve', '--real', str(real), '--out', str(out), '--contexts', '32', '64',
-                 '--outtypes', 'f16', '--decode-tokens', '4', '--repeats', '1']) == 0
-    printed = capsys.readouterr().out
-    report = json.loads((out / 'results.json').read_text())
-    assert len(report['skipped']) == len(MODELS) - 2 and 'mean_pool' in report['skipped'][0]
-    assert any(note.startswith('mean-pool 2/3: mean-pool kv2 +KL does not serve in llama.cpp')
-               and 'groups of sizes [3, 5]' in note for note in report['skipped'])
-    assert {(row['model'], row['context']) for row in report['rows']} == {
-        (name, context) for name in ('source', 'MLA-DeepSeek 1/3') for context in (32, 64)}
-    for row in report['rows']:
-        assert row['prompt_tps'] > 0 and row['decode_tps'] > 0
-        if row['model'] == 'source':
-            assert row['kv_ratio'] == row['decode_ratio'] == row['prompt_ratio'] == 1.0
-    mla = next(row for row in report['rows'] if row['model'] == 'MLA-DeepSeek 1/3' and row['context'] == 64)
-    source_config = AutoModelForCausalLM.from_pretrained(sources['gqa']).config
-    mla_config = AutoModelForCausalLM.from_pretrained(folders['deepseek']).config
-    expected = kv_cache_bytes(mla_config, 64, 2) / kv_cache_bytes(source_config, 64, 2)
-    assert mla['kv_ratio'] == pytest.approx(expected, abs=0.02)  # MiB printed to two decimals
-    for loss in report['losses'].values():
-        assert loss['llama_cpp_f16'] == pytest.approx(loss['hf_float32'], abs=2e-2)
-    assert '| MLA-DeepSeek 1/3 | f16 | 64 |' in printed and (out / 'decode_f16.png').is_file()
-
-
 def test_a_map_whose_k_and_v_number_the_same_groups_differently_exports_exactly(tokenizer_dir, tmp_path):
     """Servability is about the groups, not their numbering: V head 0 may serve K head 1's group. The exporter
     orders the K and the V rows by the groups, so llama.cpp's contiguous GQA pairs them right."""

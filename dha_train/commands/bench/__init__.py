@@ -10,8 +10,9 @@
 - ``mla``: one decode step's attention over the MLA latent cache against MHA and GQA at the same cache bytes;
 - ``decode``: decode attention time and end-to-end decode tokens/s of MHA, GQA, DHA at 50% and 25% (grouped decode,
   and the expanded path for the before/after), MLA at GQA's bytes and MoH at 75%, on CPU or a GPU;
-- ``serve``: the models ``real`` made, exported to GGUF and served by llama.cpp: K/V MiB, prompt and decode tokens/s
-  against the source at 512-8192 tokens of context, held-out loss from llama.cpp's logits;
+- ``serve``: the models ``real`` made, exported to GGUF and served by llama.cpp, 1-16 sequences at once: aggregate
+  decode tokens/s, K/V MiB and the sequences a cache budget holds, f16 and q8_0 caches, against the source at 2K and
+  8K of context; held-out loss from llama.cpp's logits;
 - ``real``: every method (mean-pool, aligned GQA, AsymGQA, DHA, MoH) on SmolLM2-135M imported from its GGUF, at 1/3
   and 2/3 of its K+V cache: held-out loss, task accuracy, KV bytes, training tokens, wall time;
 - ``real-tables``: the Markdown tables the README and the healing page quote (headline, every row, the ranking), from
@@ -59,6 +60,7 @@ from dha_train.commands.bench.serve import ServeSettings, run_serve_bench
 from dha_train.commands.bench.throughput import run_throughput_bench
 from dha_train.commands.bench.tokens import DEFAULTS as TOKEN_DEFAULTS
 from dha_train.commands.bench.tokens import TEACHERS, TokenBenchSettings, run_token_bench
+from dha_train.llama_cpp_engine import CACHE_TYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -319,14 +321,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument('--results', dest='results_file', default=None,
                        help='also write the results to this file (the docs keep docs/results/bench_eval_speed.json)')
     speed.set_defaults(func=run_eval_speed)
-    serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU: KV MiB, prompt and "
-                             'decode tokens/s against the source, held-out loss from llama.cpp\'s logits')
+    serve = bench.add_parser('serve', help="bench real's models as GGUF in llama.cpp on this CPU, many sequences at "
+                             'once: aggregate decode tokens/s, K/V MiB and sequences that fit a cache budget, f16 and '
+                             'q8_0 caches, against the source; held-out loss from llama.cpp\'s logits')
     defaults = ServeSettings()
-    serve.add_argument('--real', default=defaults.real, help='a `dha-train bench real` folder (default: bench_real)')
+    serve.add_argument('--real', nargs='+', default=defaults.real,
+                       help='`dha-train bench real` folders or results files whose rows are pooled (default: '
+                            'bench_real)')
     serve.add_argument('--out', default=defaults.out, help='folder for the GGUF files, results.json and the plots')
-    serve.add_argument('--contexts', nargs='+', type=int, default=defaults.contexts)
-    serve.add_argument('--outtypes', nargs='+', default=defaults.outtypes, choices=['f32', 'f16', 'bf16', 'q8_0'])
-    serve.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=defaults.decode_tokens)
+    serve.add_argument('--contexts', nargs='+', type=int, default=defaults.contexts,
+                       help=f'tokens of context of every sequence (default {defaults.contexts})')
+    serve.add_argument('--sequences', nargs='+', type=int, default=defaults.sequences,
+                       help=f'sequences decoded together, each in its own K/V stream (default {defaults.sequences})')
+    serve.add_argument('--outtypes', nargs='+', default=defaults.outtypes, choices=['f32', 'f16', 'bf16', 'q8_0'],
+                       help=f'GGUF weight types (default {defaults.outtypes})')
+    serve.add_argument('--cache-types', dest='cache_types', nargs='+', default=defaults.cache_types,
+                       choices=list(CACHE_TYPES), help=f'K/V cache types, llama.cpp\'s -ctk/-ctv (default '
+                                                       f'{defaults.cache_types})')
+    serve.add_argument('--cache-budget-mib', dest='cache_budget_mib', type=float, default=defaults.cache_budget_mib,
+                       help='the cache budget the sequences of the longest context are counted in (default 1024)')
+    serve.add_argument('--decode-tokens', dest='decode_tokens', type=int, default=defaults.decode_tokens,
+                       help=f'decode steps a round (default {defaults.decode_tokens})')
     serve.add_argument('--repeats', type=int, default=defaults.repeats, help='timing rounds (best reported)')
     serve.add_argument('--threads', type=int, default=None, help='llama.cpp threads (default: every core)')
     serve.add_argument('--no-loss', dest='loss', action='store_false', help='leave out the held-out losses')

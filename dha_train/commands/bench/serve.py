@@ -1,23 +1,37 @@
-"""`dha-train bench serve`: the converted SmolLM2 models served by llama.cpp on this CPU, against their source.
+"""`dha-train bench serve`: the converted SmolLM2 models served by llama.cpp on this CPU, many sequences at once,
+against their source.
 
-It takes the models ``dha-train bench real`` made (its ``results.json`` names each row's HF folder): the source,
-mean-pool at a third and two thirds of the cache, the servable DHA at two thirds and MLA in DeepSeek's format at both
-budgets. Each method's row with the lowest held-out loss is the model served (after healing, for every method that
-heals). Each is exported with ``export-gguf`` at every ``--outtypes`` weight type, then in one run:
+It takes the models ``dha-train bench real`` made (each ``--real`` is a bench real folder or a results file; their
+rows are pooled): the source, mean-pool and aligned GQA at a third of the cache, mean-pool at two thirds, the
+servable DHA at two thirds and MLA in DeepSeek's format at both budgets. Each method's row with the lowest held-out
+loss is the model served (after healing, for every method that heals). Each is exported with ``export-gguf`` at every
+``--outtypes`` weight type; a model no engine serves is recorded as skipped, with the exporter's reason.
 
-- at every context in ``--contexts``, batch 1: the prompt (held-out text filling the context but for the decoded
-  tokens) processed once from an empty cache (prompt tokens/s: compute-bound and steady), then ``--decode-tokens``
-  greedy single-token steps over the cache it filled, restored for each of ``--repeats`` rounds (decode tokens/s,
-  the best round; models interleaved within a round so that drift reaches all alike);
-  the K+V MiB llama.cpp allocates for the context (its loader's report), flash attention on as llama-server's
-  default (``--flash-attn auto``) turns it on for the CPU, the cache in f16 (its default);
-- each as a ratio to the source at the same context and weight type;
-- held-out loss from llama.cpp's own logits (each 256-token held-out sequence from an empty cache) beside the HF
-  folder's float32 loss on the same sequences.
+Then, in one run, for every context of ``--contexts`` and every K/V cache type of ``--cache-types`` (llama.cpp's
+``-ctk``/``-ctv``; q8_0 halves the f16 cache), each model is loaded once with room for the most sequences of
+``--sequences``, each sequence in its own K/V stream, as llama-server holds ``-np N`` slots
+(``llama_cpp_engine.LlamaCppSequences``):
 
-Targets (reported, never tested): at 8192 tokens of context a third of the cache decodes at least 1.5x as fast as
-the source; the engine's K+V MiB for it is at most 0.34x the source's. Time it on an otherwise idle machine: llama.cpp's
-OpenMP threads spin while they wait, so its decode collapses when the cores are shared.
+- the prompt (held-out text filling the context but for the decoded tokens) is processed once from an empty cache
+  (prompt tokens/s of one sequence: prefill runs in 512-token batches, so a token's work is the same when other
+  sequences share the batch) and copied into every sequence's stream (a copy of the memory, so N sequences read N
+  caches);
+- for each N of ``--sequences``: ``--decode-tokens`` greedy steps of N sequences together, one token of each per
+  step, each sequence with its own first token (aggregate decode tokens/s, the best of ``--repeats`` rounds; models
+  interleaved within a round so that drift reaches all alike, and every round reads the same caches);
+- the K+V MiB of one sequence's stream, from llama.cpp's own report of the cache it allocated; a cache type llama.cpp
+  refuses for a model (a quantized cache whose head sizes are not whole 32-value blocks) is recorded with its reason;
+- each as a ratio to the source at the same context, weights, cache type and sequences;
+- how many sequences of the longest context fit in ``--cache-budget-mib`` of cache;
+- held-out loss from llama.cpp's own logits (each 256-token held-out sequence from an empty cache), at every weight
+  and cache type, beside the HF folder's float32 loss on the same sequences.
+
+Flash attention is on (llama-server's ``--flash-attn auto`` turns it on for the CPU, and a quantized V cache needs it).
+
+Targets (reported, never tested): at 8 sequences of 8,192 tokens a third of the cache decodes at least 1.5x the
+source's aggregate tokens/s; 3x as many 8,192-token sequences fit in the same cache budget; where on the curve
+(sequences, context) MLA in DeepSeek's format overtakes the source, if anywhere. Time it on an otherwise idle machine:
+llama.cpp's OpenMP threads spin while they wait, so its decode collapses when the cores are shared.
 """
 
 from __future__ import annotations
@@ -35,31 +49,35 @@ import torch
 from dha_train.config import ConfigError
 from dha_train.data.loaders import split_sequences
 from dha_train.gguf_io import GgufExportError, export_gguf
-from dha_train.llama_cpp_engine import LlamaCppModel
+from dha_train.llama_cpp_engine import CACHE_TYPES, LlamaCppError, LlamaCppModel, LlamaCppSequences
 from dha_train.plots import plot_curves
 
 # (name in the table, bench real method, budget); the source's row has method 'teacher' there
 MODELS = (
     ('source', 'teacher', None),
     ('mean-pool 1/3', 'mean_pool', 'kv1'),
+    ('aligned GQA 1/3', 'aligned_gqa', 'kv1'),
     ('mean-pool 2/3', 'mean_pool', 'kv2'),
     ('DHA-servable 2/3', 'dha_servable', 'kv2'),
     ('MLA-DeepSeek 1/3', 'mla_deepseek', 'kv1'),
     ('MLA-DeepSeek 2/3', 'mla_deepseek', 'kv2'),
 )
 HELDOUT_DOMAIN = 'book'
-TARGET_DECODE_RATIO, TARGET_KV_RATIO, TARGET_CONTEXT = 1.5, 0.34, 8192
+TARGET_DECODE_RATIO, TARGET_CONTEXT, TARGET_SEQUENCES, TARGET_CAPACITY_RATIO = 1.5, 8192, 8, 3.0
 
 
 @dataclass
 class ServeSettings:
-    real: str = 'bench_real'  # a `dha-train bench real` folder
+    real: list[str] = field(default_factory=lambda: ['bench_real'])  # bench real folders or results files
     out: str = 'bench_serve'
-    contexts: list[int] = field(default_factory=lambda: [512, 2048, 8192])
-    outtypes: list[str] = field(default_factory=lambda: ['f16', 'q8_0'])
-    decode_tokens: int = 32
+    contexts: list[int] = field(default_factory=lambda: [2048, 8192])
+    sequences: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    outtypes: list[str] = field(default_factory=lambda: ['f16'])
+    cache_types: list[str] = field(default_factory=lambda: ['f16', 'q8_0'])
+    decode_tokens: int = 16
     repeats: int = 3
     threads: int | None = None  # default: every core
+    cache_budget_mib: float = 1024.0
     loss: bool = True  # held-out loss in llama.cpp and transformers
 
 
@@ -77,13 +95,34 @@ def chosen_rows(results: dict) -> tuple[dict[str, dict], list[str]]:
     return rows, missing
 
 
-def _heldout(real: Path, results: dict) -> list[np.ndarray]:
+def pooled_results(reals: list[str]) -> dict:
+    """The rows of every bench real results file given (a folder stands for its results.json), with the held-out
+    data they were all scored on; files scored on different held-out text are refused."""
+    pooled: dict = {'rows': [], 'files': []}
+    for real in reals:
+        path = Path(real)
+        path = path / 'results.json' if path.is_dir() else path
+        if not path.is_file():
+            raise ConfigError(f'bench serve: {path} not found; run `dha-train bench real --out {real}` first (it makes '
+                              'the models this bench serves)')
+        results = json.loads(path.read_text())
+        heldout = (results.get('data') or {}).get('heldout', {})
+        if 'heldout' in pooled and heldout.get('root') != pooled['heldout'].get('root'):
+            raise ConfigError(f'bench serve: {path} scored its rows on {heldout.get("root")}, '
+                              f'{pooled["files"][0]} on {pooled["heldout"].get("root")}; give results of one bench '
+                              'real folder')
+        pooled['heldout'] = heldout
+        pooled['rows'] += results['rows']
+        pooled['files'].append(str(path))
+    return pooled
+
+
+def _heldout(pooled: dict) -> list[np.ndarray]:
     """The held-out validation sequences bench real scored every row on (its results name the folder)."""
-    heldout = (results.get('data') or {}).get('heldout', {})
-    root = heldout.get('root')
+    root = pooled['heldout'].get('root')
     if root is None or not Path(root).is_dir():
-        raise ConfigError(f'bench serve: the held-out data of {real / "results.json"} ({root}) is not there')
-    return split_sequences(root, heldout.get('domain_label', HELDOUT_DOMAIN), 'val')
+        raise ConfigError(f'bench serve: the held-out data of {pooled["files"][0]} ({root}) is not there')
+    return split_sequences(root, pooled['heldout'].get('domain_label', HELDOUT_DOMAIN), 'val')
 
 
 def _hf_loss(folder: str, sequences: list[np.ndarray]) -> float:
@@ -100,9 +139,10 @@ def _hf_loss(folder: str, sequences: list[np.ndarray]) -> float:
     return total / count
 
 
-def _engine_loss(path: Path, sequences: list[np.ndarray], threads: int) -> float:
+def _engine_loss(path: Path, sequences: list[np.ndarray], threads: int, cache_type: str) -> float:
     total, count = 0.0, 0
-    with LlamaCppModel(path, n_ctx=len(sequences[0]), all_logits=True, threads=threads) as engine:
+    with LlamaCppModel(path, n_ctx=len(sequences[0]), all_logits=True, threads=threads,
+                       cache_type=cache_type) as engine:
         for sequence in sequences:
             tokens = [int(t) for t in sequence]
             logits = torch.from_numpy(engine.logits(tokens)[:-1])
@@ -111,36 +151,47 @@ def _engine_loss(path: Path, sequences: list[np.ndarray], threads: int) -> float
     return total / count
 
 
+def check_settings(settings: ServeSettings) -> None:
+    if settings.decode_tokens < 1 or settings.repeats < 1:
+        raise ConfigError('bench serve: --decode-tokens and --repeats must be >= 1')
+    if any(context <= settings.decode_tokens + 1 for context in settings.contexts):
+        raise ConfigError(f'bench serve: every context must be longer than --decode-tokens + 1 '
+                          f'({settings.decode_tokens + 1}), got {settings.contexts}')
+    if not settings.sequences or min(settings.sequences) < 1:
+        raise ConfigError(f'bench serve: --sequences must be counts >= 1, got {settings.sequences}')
+    unknown = sorted(set(settings.cache_types) - set(CACHE_TYPES))
+    if unknown or not settings.cache_types:
+        raise ConfigError(f'bench serve: --cache-types must be among {", ".join(CACHE_TYPES)}, got {unknown or "none"}')
+    if settings.cache_budget_mib <= 0:
+        raise ConfigError(f'bench serve: --cache-budget-mib must be positive, got {settings.cache_budget_mib}')
+
+
 def run_serve_bench(settings: ServeSettings) -> dict:
-    real, out = Path(settings.real), Path(settings.out)
-    results_file = real / 'results.json'
-    if not results_file.is_file():
-        raise ConfigError(f'bench serve: {results_file} not found; run `dha-train bench real --out {real}` first '
-                          '(it makes the models this bench serves)')
-    if settings.decode_tokens < 1 or settings.repeats < 1 or any(c <= settings.decode_tokens for c in settings.contexts):
-        raise ConfigError('bench serve: --decode-tokens and --repeats must be >= 1, and every context longer than '
-                          'the decoded tokens')
-    results = json.loads(results_file.read_text())
-    rows, missing = chosen_rows(results)
+    check_settings(settings)
+    out = Path(settings.out)
+    pooled = pooled_results(list(settings.real))
+    rows, missing = chosen_rows(pooled)
     if 'source' not in rows:
-        raise ConfigError(f'bench serve: {results_file} has no teacher row with its folder')
+        raise ConfigError(f'bench serve: {", ".join(pooled["files"])} has no teacher row with its folder')
     for note in missing:
         print(f'[bench serve] skipped {note}', flush=True)
-    sequences = _heldout(real, results)
+    sequences = _heldout(pooled)
     prompt_text = [int(t) for t in np.concatenate(sequences)]
-    if len(prompt_text) < max(settings.contexts):
+    most = max(settings.sequences)
+    if len(prompt_text) < max(settings.contexts) + most:
         raise ConfigError(f'bench serve: the held-out text holds {len(prompt_text)} tokens, fewer than the '
-                          f'{max(settings.contexts)}-token context')
+                          f'{max(settings.contexts)}-token context and a first token for each of {most} sequences')
     threads = settings.threads or os.cpu_count() or 1
     (out / 'gguf').mkdir(parents=True, exist_ok=True)
 
     files: dict[tuple[str, str], Path] = {}
+    cache_notes: dict[str, str] = {}
     for name, row in list(rows.items()):
         paths = {(name, outtype): out / 'gguf' / f"{name.replace(' ', '_').replace('/', '-')}.{outtype}.gguf"
                  for outtype in settings.outtypes}
         try:
             for (_, outtype), path in paths.items():
-                export_gguf(row['hf_folder'], path, outtype=outtype, overwrite=True)
+                report = export_gguf(row['hf_folder'], path, outtype=outtype, overwrite=True)
         except GgufExportError as exc:  # a model no engine serves is a finding of the bench, not a reason to stop
             if name == 'source':
                 raise
@@ -148,70 +199,126 @@ def run_serve_bench(settings: ServeSettings) -> dict:
             missing.append(f"{name}: {row['label']} does not serve in llama.cpp: {exc}")
             print(f'[bench serve] skipped {missing[-1]}', flush=True)
             continue
+        if report.cache_unquantizable:
+            cache_notes[name] = report.cache_unquantizable
         files.update(paths)
     print(f'[bench serve] exported {len(files)} GGUF files to {out / "gguf"}', flush=True)
 
-    timings: dict[tuple[str, str, int], dict] = {}
+    timings: dict[tuple, dict] = {}
+    refused: list[dict] = []
     for context in settings.contexts:
-        prompt = prompt_text[:context - settings.decode_tokens]
+        prompt = prompt_text[:context - settings.decode_tokens - 1]
+        first_tokens = prompt_text[len(prompt):len(prompt) + most]  # each sequence's own next token of the text
         for outtype in settings.outtypes:
-            engines, states = {}, {}
-            try:
-                for name in rows:  # the prompt once per model: it is compute-bound and steady
-                    engines[name] = LlamaCppModel(files[name, outtype], n_ctx=context, threads=threads)
-                    prompt_tps, state, token = engines[name].timed_prompt(prompt)
-                    states[name] = (state, token)
-                    cache = engines[name].kv_cache
-                    timings[name, outtype, context] = {'prompt_tps': prompt_tps, 'decode_tps': 0.0,
-                                                       'kv_mib': cache.k_mib + cache.v_mib}
-                for _ in range(settings.repeats):  # decode rounds, models interleaved: drift reaches all alike
-                    for name, engine in engines.items():
-                        decode_tps = engine.timed_decode(*states[name], settings.decode_tokens)
-                        best = timings[name, outtype, context]
-                        best['decode_tps'] = max(best['decode_tps'], decode_tps)
-            finally:
-                for engine in engines.values():
-                    engine.close()
-            print(f'[bench serve] timed context {context} ({outtype})', flush=True)
+            for cache_type in settings.cache_types:
+                engines = {}
+                try:
+                    for name in rows:
+                        try:
+                            engine = LlamaCppSequences(files[name, outtype], sequences=most, context=context,
+                                                       threads=threads, cache_type=cache_type)
+                        except LlamaCppError as exc:
+                            if context == settings.contexts[0]:
+                                refused.append({'model': name, 'outtype': outtype, 'cache_type': cache_type,
+                                                'reason': str(exc)})
+                                print(f'[bench serve] {name}: {exc}', flush=True)
+                            continue
+                        engines[name] = engine
+                        prompt_tps = engine.fill(prompt)  # once per model: compute-bound and steady
+                        for count in settings.sequences:
+                            timings[name, outtype, cache_type, context, count] = {
+                                'prompt_tps': prompt_tps, 'decode_tps': 0.0,
+                                'kv_mib_per_sequence': engine.kv_mib_per_sequence,
+                                'kv_mib': count * engine.kv_mib_per_sequence}
+                    for _ in range(settings.repeats):  # decode rounds, models interleaved: drift reaches all alike
+                        for count in settings.sequences:
+                            for name, engine in engines.items():
+                                decode_tps, _ = engine.decode(count, settings.decode_tokens, first_tokens[:count])
+                                best = timings[name, outtype, cache_type, context, count]
+                                best['decode_tps'] = max(best['decode_tps'], decode_tps)
+                finally:
+                    for engine in engines.values():
+                        engine.close()
+                print(f'[bench serve] timed context {context} ({outtype} weights, {cache_type} cache)', flush=True)
 
     table = []
-    for (name, outtype, context), timing in timings.items():
-        source = timings['source', outtype, context]
+    for (name, outtype, cache_type, context, count), timing in timings.items():
+        source = timings.get(('source', outtype, cache_type, context, count))
         table.append({'model': name, 'method': rows[name]['method'], 'budget': rows[name].get('budget'),
-                      'label': rows[name]['label'], 'outtype': outtype, 'context': context, **timing,
-                      'kv_ratio': timing['kv_mib'] / source['kv_mib'] if source['kv_mib'] else float('nan'),
-                      'prompt_ratio': timing['prompt_tps'] / source['prompt_tps'],
-                      'decode_ratio': timing['decode_tps'] / source['decode_tps']})
+                      'label': rows[name]['label'], 'outtype': outtype, 'cache_type': cache_type, 'context': context,
+                      'sequences': count, **timing,
+                      **{f'{key}_ratio': timing[key] / source[key] if source else None
+                         for key in ('kv_mib', 'prompt_tps', 'decode_tps')}})
     losses = {}
     if settings.loss:
         for name, row in rows.items():
-            losses[name] = {'hf_float32': _hf_loss(row['hf_folder'], sequences), 'bench_real': row['val_loss'],
-                            **{f'llama_cpp_{outtype}': _engine_loss(files[name, outtype], sequences, threads)
-                               for outtype in settings.outtypes}}
+            losses[name] = {'hf_float32': _hf_loss(row['hf_folder'], sequences), 'bench_real': row['val_loss']}
+            for outtype in settings.outtypes:
+                for cache_type in settings.cache_types:
+                    try:
+                        loss = _engine_loss(files[name, outtype], sequences, threads, cache_type)
+                    except LlamaCppError:
+                        loss = None  # the refusal is in 'refused'
+                    losses[name][f'llama_cpp_{outtype}_{cache_type}'] = loss
         print('[bench serve] held-out losses done', flush=True)
-    report = {'settings': asdict(settings), 'threads': threads, 'machine': _machine(),
-              'date': time.strftime('%Y-%m-%d'), 'models': {name: row['hf_folder'] for name, row in rows.items()},
-              'skipped': missing, 'heldout_tokens': int(sum(len(s) for s in sequences)), 'rows': table,
-              'losses': losses, 'targets': target_verdicts(table)}
+    report = {'settings': asdict(settings), 'results_files': pooled['files'], 'threads': threads,
+              'machine': _machine(), 'date': time.strftime('%Y-%m-%d'),
+              'models': {name: row['hf_folder'] for name, row in rows.items()},
+              'labels': {name: row['label'] for name, row in rows.items()},
+              'skipped': missing, 'cache_unquantizable': cache_notes, 'refused': refused,
+              'heldout_tokens': int(sum(len(s) for s in sequences)), 'rows': table,
+              'capacity': capacity(table, settings.cache_budget_mib), 'losses': losses}
+    report['targets'] = target_verdicts(report)
     (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
-    for outtype in settings.outtypes:
-        curves = {name: [(row['context'], row['decode_tps']) for row in table
-                         if row['model'] == name and row['outtype'] == outtype] for name in rows}
-        plot_curves(curves, out / f'decode_{outtype}.png', title=f'llama.cpp decode, {outtype} weights, batch 1, '
-                    f'{threads} threads', xlabel='context (tokens)', ylabel='decode tokens/s')
-    print_report(report)
+    report['plots'] = plot_serve(report, out)
+    (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
+    for table_text in (decode_table(report), capacity_table(report), targets_table(report), loss_table(report)):
+        print('\n' + table_text)
     return report
 
 
-def target_verdicts(table: list[dict]) -> list[dict]:
-    """The targets at 8192 tokens, for each model at a third of the cache and each weight type."""
+def capacity(table: list[dict], budget_mib: float) -> list[dict]:
+    """Per model, weights and cache type: how many sequences of the longest context fit in ``budget_mib`` of cache,
+    from llama.cpp's reported MiB per sequence, and that count against the source's."""
+    longest = max(row['context'] for row in table)
+    per_sequence = {(row['model'], row['outtype'], row['cache_type']): row for row in table
+                    if row['context'] == longest and row['sequences'] == min(r['sequences'] for r in table)}
+    entries = []
+    for (name, outtype, cache_type), row in per_sequence.items():
+        fits = int(budget_mib // row['kv_mib_per_sequence'])
+        source = per_sequence.get(('source', outtype, cache_type))
+        source_fits = int(budget_mib // source['kv_mib_per_sequence']) if source else None
+        entries.append({'model': name, 'budget': row['budget'], 'method': row['method'], 'outtype': outtype,
+                        'cache_type': cache_type, 'context': longest, 'budget_mib': budget_mib,
+                        'kv_mib_per_sequence': row['kv_mib_per_sequence'], 'sequences_fit': fits,
+                        'ratio': fits / source_fits if source_fits else None})
+    return entries
+
+
+def target_verdicts(report: dict) -> list[dict]:
+    """Each model at a third of the cache, per weights and cache type: aggregate decode at TARGET_SEQUENCES sequences
+    of TARGET_CONTEXT against the source's, and the sequences that fit the cache budget against the source's. Each
+    MLA-DeepSeek model: the (sequences, context) points where it decodes at least as fast as the source."""
     verdicts = []
-    for row in table:
-        if row['budget'] != 'kv1' or row['context'] != TARGET_CONTEXT:
+    rows = report['rows']
+    for entry in report['capacity']:
+        if entry['budget'] != 'kv1':
             continue
-        verdicts.append({'model': row['model'], 'outtype': row['outtype'],
-                         'decode_ratio': row['decode_ratio'], 'decode_met': row['decode_ratio'] >= TARGET_DECODE_RATIO,
-                         'kv_ratio': row['kv_ratio'], 'kv_met': row['kv_ratio'] <= TARGET_KV_RATIO})
+        at_target = next((row for row in rows if row['model'] == entry['model'] and row['outtype'] == entry['outtype']
+                          and row['cache_type'] == entry['cache_type'] and row['context'] == TARGET_CONTEXT
+                          and row['sequences'] == TARGET_SEQUENCES), None)
+        decode = at_target['decode_tps_ratio'] if at_target else None
+        verdicts.append({'model': entry['model'], 'outtype': entry['outtype'], 'cache_type': entry['cache_type'],
+                         'decode_ratio': decode, 'decode_met': None if decode is None else decode >= TARGET_DECODE_RATIO,
+                         'capacity_ratio': entry['ratio'],
+                         'capacity_met': None if entry['ratio'] is None else entry['ratio'] >= TARGET_CAPACITY_RATIO})
+    for name in sorted({row['model'] for row in rows if row['method'] == 'mla_deepseek'}):
+        for outtype, cache_type in sorted({(row['outtype'], row['cache_type']) for row in rows if row['model'] == name}):
+            points = sorted((row['context'], row['sequences']) for row in rows if row['model'] == name
+                            and row['outtype'] == outtype and row['cache_type'] == cache_type
+                            and row['decode_tps_ratio'] is not None and row['decode_tps_ratio'] >= 1.0)
+            verdicts.append({'model': name, 'outtype': outtype, 'cache_type': cache_type,
+                             'overtakes_at': [{'context': context, 'sequences': count} for context, count in points]})
     return verdicts
 
 
@@ -219,21 +326,86 @@ def _machine() -> str:
     return f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
 
 
-def print_report(report: dict) -> None:
-    print('\n| model | weights | context | KV MiB | x source | prompt tok/s | x source | decode tok/s | x source |')
-    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
-    for row in sorted(report['rows'], key=lambda r: (r['outtype'], r['context'])):
-        print(f"| {row['model']} | {row['outtype']} | {row['context']} | {row['kv_mib']:.2f} | {row['kv_ratio']:.3f} | "
-              f"{row['prompt_tps']:.0f} | {row['prompt_ratio']:.2f} | {row['decode_tps']:.1f} | "
-              f"{row['decode_ratio']:.2f} |")
-    if report['losses']:
-        outtypes = report['settings']['outtypes']
-        print('\n| model | held-out loss, HF float32 | ' + ' | '.join(f'llama.cpp {t}' for t in outtypes) + ' |')
-        print('| --- | --- |' + ' --- |' * len(outtypes))
-        for name, loss in report['losses'].items():
-            print(f"| {name} | {loss['hf_float32']:.4f} | "
-                  + ' | '.join(f"{loss[f'llama_cpp_{t}']:.4f}" for t in outtypes) + ' |')
+def _counts(report: dict) -> list[int]:
+    return sorted({row['sequences'] for row in report['rows']})
+
+
+def _ratio(value: float | None) -> str:
+    return '-' if value is None else f'{value:.2f}x'
+
+
+def decode_table(report: dict) -> str:
+    """Per model, weights, cache type and context: one sequence's K+V MiB and prompt tokens/s, and the aggregate
+    decode tokens/s at each count of sequences, each against the source's."""
+    counts = _counts(report)
+    lines = ['| model | weights | cache | context | K+V MiB a sequence | x source | prompt tok/s | x source | '
+             + ' | '.join(f'decode tok/s, {count} seq. (x source)' for count in counts) + ' |',
+             '| --- | --- | --- | --- | --- | --- | --- | --- |' + ' --- |' * len(counts)]
+    by_key = {(row['model'], row['outtype'], row['cache_type'], row['context'], row['sequences']): row
+              for row in report['rows']}
+    for model, outtype, cache_type, context in dict.fromkeys(
+            (row['model'], row['outtype'], row['cache_type'], row['context']) for row in sorted(
+                report['rows'], key=lambda row: (row['outtype'], row['cache_type'], row['context']))):
+        first = by_key[model, outtype, cache_type, context, counts[0]]
+        source = by_key.get(('source', outtype, cache_type, context, counts[0]))
+        kv_ratio = first['kv_mib_per_sequence'] / source['kv_mib_per_sequence'] if source else None
+        cells = [f"{by_key[model, outtype, cache_type, context, count]['decode_tps']:.1f} "
+                 f"({_ratio(by_key[model, outtype, cache_type, context, count]['decode_tps_ratio'])})"
+                 for count in counts]
+        lines.append(f"| {model} | {outtype} | {cache_type} | {context} | {first['kv_mib_per_sequence']:.2f} | "
+                     f"{_ratio(kv_ratio)} | {first['prompt_tps']:.0f} | {_ratio(first['prompt_tps_ratio'])} | "
+                     + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def capacity_table(report: dict) -> str:
+    lines = ['| model | weights | cache | K+V MiB an 8K sequence | sequences in the budget | x source |',
+             '| --- | --- | --- | --- | --- | --- |']
+    for entry in sorted(report['capacity'], key=lambda e: (e['outtype'], e['cache_type'])):
+        lines.append(f"| {entry['model']} | {entry['outtype']} | {entry['cache_type']} | "
+                     f"{entry['kv_mib_per_sequence']:.2f} | {entry['sequences_fit']} | {_ratio(entry['ratio'])} |")
+    return '\n'.join(lines)
+
+
+def _verdict(value: float | None, met: bool | None) -> str:
+    return '-' if value is None else f"{value:.2f}x, **{'met' if met else 'not met'}**"
+
+
+def targets_table(report: dict) -> str:
+    lines = [f'| model | weights | cache | decode at {TARGET_SEQUENCES} x {TARGET_CONTEXT} vs source (target >= '
+             f'{TARGET_DECODE_RATIO}x) | sequences in the budget vs source (target >= {TARGET_CAPACITY_RATIO:.0f}x) |',
+             '| --- | --- | --- | --- | --- |']
     for verdict in report['targets']:
-        print(f"target at {TARGET_CONTEXT} ({verdict['model']}, {verdict['outtype']}): decode "
-              f"{verdict['decode_ratio']:.2f}x (>= {TARGET_DECODE_RATIO}: {'met' if verdict['decode_met'] else 'not met'})"
-              f", KV {verdict['kv_ratio']:.3f}x (<= {TARGET_KV_RATIO}: {'met' if verdict['kv_met'] else 'not met'})")
+        if 'overtakes_at' in verdict:
+            continue
+        lines.append(f"| {verdict['model']} | {verdict['outtype']} | {verdict['cache_type']} | "
+                     f"{_verdict(verdict['decode_ratio'], verdict['decode_met'])} | "
+                     f"{_verdict(verdict['capacity_ratio'], verdict['capacity_met'])} |")
+    return '\n'.join(lines)
+
+
+def loss_table(report: dict) -> str:
+    columns = [key for key in next(iter(report['losses'].values()), {}) if key.startswith('llama_cpp_')]
+    titles = [f"llama.cpp, {key.split('_')[2]} weights, {'_'.join(key.split('_')[3:])} cache" for key in columns]
+    lines = ['| model | HF float32 | ' + ' | '.join(titles) + ' |', '| --- | --- |' + ' --- |' * len(columns)]
+    for name, loss in report['losses'].items():
+        lines.append(f"| {name} | {loss['hf_float32']:.4f} | "
+                     + ' | '.join('refused' if loss[key] is None else f'{loss[key]:.4f}' for key in columns) + ' |')
+    return '\n'.join(lines)
+
+
+def plot_serve(report: dict, out: Path) -> list[str]:
+    """Aggregate decode tokens/s against sequences, one plot per context, weights and cache type."""
+    written = []
+    for outtype, cache_type, context in sorted({(row['outtype'], row['cache_type'], row['context'])
+                                                for row in report['rows']}):
+        curves = {name: [(row['sequences'], row['decode_tps']) for row in report['rows'] if row['model'] == name
+                         and row['outtype'] == outtype and row['cache_type'] == cache_type
+                         and row['context'] == context] for name in report['models']}
+        path = out / f'decode_{context}_{outtype}_{cache_type}.png'
+        plot_curves({name: points for name, points in curves.items() if points}, path,
+                    title=f'llama.cpp aggregate decode, {context}-token sequences, {outtype} weights, {cache_type} '
+                    f'cache, {report["threads"]} threads', xlabel='sequences decoded together',
+                    ylabel='decode tokens/s, all sequences')
+        written.append(str(path))
+    return written
