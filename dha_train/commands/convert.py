@@ -79,14 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help='deepseek, with --latent-norm-fit regression or scalar: no pin channel (by default, each '
                           'layer where it lowers the held-out error gets one latent channel that holds the latent\'s '
                           'RMS near-constant)')
-    mla.add_argument('--quantizable-cache', dest='quantizable_cache', action='store_const', const=True, default=None,
-                     help='deepseek: size the latent and the RoPE key in whole 32-value blocks, so that llama.cpp can '
-                          'quantize the cache (-ctk q8_0 -ctv q8_0: half the f16 cache); the key nearest a quarter of '
-                          'the cached numbers, at stride 1. On SmolLM2-135M it cost 0.023 nats at a third and 0.053 '
-                          'at two thirds against the default split')
+    mla.add_argument('--quantizable-cache', dest='quantizable_cache', action=argparse.BooleanOptionalAction,
+                     default=None,
+                     help='deepseek: size the latent and the RoPE key in whole 32-value blocks (the budget rounded '
+                          'down to whole blocks), so that llama.cpp can quantize the cache (-ctk q8_0 -ctv q8_0: half '
+                          'the f16 bytes); the key nearest a quarter of the cached numbers, at stride 1. Default: so '
+                          'up to a third of the source\'s cache, where it cost nothing on the validation text, and '
+                          'not above (docs/methods/mla.md has the cost)')
     mla.add_argument('--balance', choices=BALANCES, default=None,
                      help=f'scale the keys against the values before the joint factorisation (default '
-                          f'{defaults.balance}): energy (equal total '
+                          f'{defaults.balance}; deepseek: {DeepseekSettings(cache_fraction=1.0).balance}): energy (equal '
+                          'total '
                           'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
                           'norm) or none')
     mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')

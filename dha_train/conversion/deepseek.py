@@ -49,11 +49,13 @@ CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: 
 DEFAULT_FREQ_FOLD = 2
 ROPE_PAIR_SHARE = 0.625  # of the head's RoPE pairs
 ROPE_BUDGET_CAP = 1 / 3  # of the numbers cached per token and layer
-# --quantizable-cache: llama.cpp quantizes a K/V cache (-ctk q8_0 -ctv q8_0) only when the K head (latent + RoPE key)
-# and the V head (the latent) are multiples of its 32-value blocks. Of the splits that are, the one whose key is
-# nearest a quarter of the cached numbers, at stride 1: on SmolLM2-135M's validation text (vim) that was the better
-# of the two candidates at each budget (32 + 96 at a third, 64 + 192 at two thirds; stride 2 lost 0.12 at a third),
-# and it costs 0.023 nats at a third and 0.053 at two thirds against the default split (docs/methods/mla.md).
+# The quantizable split: llama.cpp quantizes a K/V cache (-ctk q8_0 -ctv q8_0, half the f16 bytes) only when the K head
+# (latent + RoPE key) and the V head (the latent) are whole 32-value blocks. Of the splits that are, the one whose
+# key is nearest a quarter of the cached numbers, at stride 1. Chosen on the validation text (vim, SmolLM2-135M,
+# docs/methods/mla.md), with the feature-norm balance: at a third 32 + 96 scored 3.804 against 3.815 for the
+# unrounded 40 + 88 (stride 2 lost 0.23, energy balance 0.12); at two thirds the best such split (64 + 192) lost 0.058
+# to the unrounded 40 + 216. So it is the default up to a third of the source's cache, and an option above.
+QUANTIZABLE_BY_DEFAULT_UP_TO = 1 / 3  # of the source's cache
 QUANTIZABLE_KEY_SHARE = 0.25  # of the numbers cached per token and layer
 
 
@@ -65,15 +67,16 @@ class DeepseekSettings:
     rope_pairs: int | None = None
     # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
     freq_fold: int = DEFAULT_FREQ_FOLD
-    # the latent and the RoPE key sized in multiples of QUANTIZED_CACHE_BLOCK, so llama.cpp can quantize the cache
-    quantizable_cache: bool = False
+    # the latent and the RoPE key in whole QUANTIZED_CACHE_BLOCKs, so llama.cpp can quantize the cache; None: so at
+    # budgets up to QUANTIZABLE_BY_DEFAULT_UP_TO where the budget has room for it
+    quantizable_cache: bool | None = None
     # linear (the latent scaled into the norm's linear range), regression (kv_b regressed on the normed latent) or
     # scalar (the mean RMS); ops.deepseek
     latent_norm_fit: str = 'linear'
     # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error; with the regression
     # and scalar fits only (the linear range needs none)
     pin: bool = True
-    balance: str = 'energy'
+    balance: str = 'feature_norm'  # chosen on the validation text over energy (docs/methods/mla.md)
     data: str | None = None
     split: str = 'train'
     tokens: int = 16384
@@ -98,13 +101,14 @@ def check_source(config) -> None:
         raise ConfigError('convert --format deepseek: num_attention_heads must be a multiple of num_key_value_heads')
 
 
-def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
-    """(pairs of the shared RoPE key, kv_lora_rank, the source's K+V numbers per token and layer)."""
+def budget(config, settings: DeepseekSettings) -> tuple[int, int, int, bool]:
+    """(pairs of the shared RoPE key, kv_lora_rank, the source's K+V numbers per token and layer, whether the split
+    is the quantizable one)."""
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     source = 2 * kv_heads * dim
     numbers = math.floor(settings.cache_fraction * source + 1e-9)  # cached per token and layer
-    if settings.quantizable_cache:
-        return (*quantizable_split(numbers, dim, settings.rope_pairs), source)
+    if quantizable(settings, numbers, dim):
+        return (*quantizable_split(numbers, dim, settings.rope_pairs), source, True)
     default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))
     pairs = settings.rope_pairs if settings.rope_pairs is not None else default_pairs
     if not 1 <= pairs <= dim // 2:
@@ -118,7 +122,7 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int]:
     if rank > 2 * kv_heads * dim:
         raise ConfigError(f'convert --format deepseek: latent rank {rank} exceeds the {2 * kv_heads * dim} key and '
                           'value dims it factors')
-    return pairs, rank, source
+    return pairs, rank, source, False
 
 
 def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Config:
@@ -190,16 +194,31 @@ def layer_weights(attention, config, mix: torch.Tensor, rank: int,
             'o_proj.weight': attention.o_proj.weight.detach().float()}
 
 
-def quantizable_split(numbers: int, dim: int, rope_pairs: int | None) -> tuple[int, int]:
-    """(key pairs, latent rank) whose K head (rank + key) and V head (rank) are whole QUANTIZED_CACHE_BLOCKs; the key
-    ``2 * rope_pairs`` when given, else the block multiple nearest QUANTIZABLE_KEY_SHARE of ``numbers``."""
+def quantizable(settings: DeepseekSettings, numbers: int, dim: int) -> bool:
+    """Whether the split is the quantizable one: as asked, or by default up to QUANTIZABLE_BY_DEFAULT_UP_TO of the
+    source's cache when the budget holds a latent and a key of whole blocks."""
+    if settings.quantizable_cache is not None:
+        return settings.quantizable_cache
+    return (settings.cache_fraction <= QUANTIZABLE_BY_DEFAULT_UP_TO + 1e-6
+            and bool(_block_keys(numbers // QUANTIZED_CACHE_BLOCK * QUANTIZED_CACHE_BLOCK, dim)))
+
+
+def _block_keys(numbers: int, dim: int) -> list[int]:
     block = QUANTIZED_CACHE_BLOCK
-    keys = [key for key in range(block, min(dim, numbers - block) + 1, block)]
-    if numbers % block or not keys:
+    return list(range(block, min(dim, numbers - block) + 1, block))
+
+
+def quantizable_split(numbers: int, dim: int, rope_pairs: int | None) -> tuple[int, int]:
+    """(key pairs, latent rank) whose K head (rank + key) and V head (rank) are whole QUANTIZED_CACHE_BLOCKs, within
+    ``numbers`` rounded down to whole blocks; the key ``2 * rope_pairs`` when given, else the block multiple nearest
+    QUANTIZABLE_KEY_SHARE of the numbers."""
+    block = QUANTIZED_CACHE_BLOCK
+    numbers = numbers // block * block
+    keys = _block_keys(numbers, dim)
+    if not keys:
         raise ConfigError(f'convert --format deepseek --quantizable-cache: the budget\'s {numbers} numbers per token '
-                          f'and layer do not split into a latent and a RoPE key of whole {block}-value blocks (both at '
-                          f'least {block}, the key at most the {dim}-dim head); choose a --cache-fraction whose '
-                          f'numbers are a multiple of {block}, at least {2 * block}')
+                          f'and layer, in whole {block}-value blocks, do not split into a latent and a RoPE key of at '
+                          f'least one block each (the key at most the {dim}-dim head); raise --cache-fraction')
     if rope_pairs is not None:
         if 2 * rope_pairs not in keys:
             raise ConfigError(f'convert --format deepseek --quantizable-cache: --rope-pairs {rope_pairs} gives a '
@@ -252,7 +271,7 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     refuse_nonempty(out_dir, overwrite)
     config = load_llama_config(model_dir, who='convert --format deepseek')
     check_source(config)
-    pairs, rank, source_values = budget(config, settings)
+    pairs, rank, source_values, quantized = budget(config, settings)
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
     batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
                                   batch_size=settings.batch_size, seed=settings.seed, who='convert --format deepseek')
@@ -269,8 +288,9 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         running = calibration.layer(index, 'input').running
         covariances.append((running.gram / running.count).double().cpu())
         cross_energies.append(pair_key_cross_energy(attention.k_proj.weight.detach(), covariances[-1], kv_heads, dim))
+    # the quantizable split keeps its key at stride 1: stride 2 kept more key energy at a third and lost 0.23 nats
     stride, mixes, kept_shares = choose_shared_key(cross_energies, dim, pairs, settings.freq_fold,
-                                                   [1] if settings.quantizable_cache else None)
+                                                   [1] if quantized else None)
     kept = strided_pairs(pairs, stride)
 
     ds_config = deepseek_config(config, rank, pairs, stride)
@@ -301,6 +321,7 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     kept_energy = sum(kept_shares) / len(kept_shares)
     cached = config.num_hidden_layers * (rank + 2 * pairs)
     report = {'kv_lora_rank': rank, 'qk_rope_head_dim': 2 * pairs, 'rope_stride': stride, 'rope_pairs': kept,
+              'quantizable_cache': quantized,
               'freq_fold': settings.freq_fold,
               'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit, 'pinned_layers': pinned,
               'layer_pin_errors': pin_errors,

@@ -101,11 +101,11 @@ def test_the_quantizable_split_exports_a_cache_llama_cpp_quantizes(models, tmp_p
 def test_a_quantizable_split_that_the_budget_has_no_room_for_is_refused(models, tmp_path, capfd, data_root):
     from helpers import refused_in_one_line
 
-    # a third of 128 numbers is 42: not whole 32-value blocks for a latent and a key
+    # a third of 128 numbers is 42, one whole 32-value block: no room for a latent and a key of a block each
     line = refused_in_one_line(['convert', str(models['gqa']), str(tmp_path / 'out'), '--method', 'mla', '--format',
                                 'deepseek', '--cache-fraction', '0.3333', '--data', str(data_root),
                                 '--quantizable-cache'], tmp_path, capfd)
-    assert '42 numbers per token and layer' in line and 'multiple of 32' in line
+    assert "the budget's 32 numbers per token and layer, in whole 32-value blocks" in line
     line = refused_in_one_line(['convert', str(models['gqa']), str(tmp_path / 'out'), '--method', 'mla', '--format',
                                 'deepseek', '--cache-fraction', '0.5', '--data', str(data_root), '--quantizable-cache',
                                 '--rope-pairs', '10'], tmp_path, capfd)

@@ -219,3 +219,33 @@ def test_a_fold_mixes_pairs_within_its_span_and_keeps_more_key_energy():
     assert reads[:2, 4:].sum() == 0 and reads[2:, :4].sum() == 0  # slots 0-1 span pairs 0-3, slots 2-3 pairs 4-7
     assert reads[:2, :4].any(0).all() and reads[2:, 4:].any(0).all()  # the dropped pairs 1, 3, 5, 7 are read too
     assert folded_kept > plain_kept
+
+
+
+def _llama(kv_heads: int, dim: int = 64) -> LlamaConfig:
+    return LlamaConfig(hidden_size=3 * kv_heads * dim, num_attention_heads=3 * kv_heads, num_key_value_heads=kv_heads,
+                       head_dim=dim, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize('fraction, asked, expected', [
+    (1 / 3, None, (16, 96, True)),  # SmolLM2's shape at a third: 128 numbers, the key nearest 32: 32 + 96
+    (0.3, None, (16, 64, True)),  # 115 numbers, 96 in whole blocks, the key nearest 24: 32 + 64
+    (2 / 3, None, (20, 216, False)),  # above a third the unrounded split: 5/8 of the head's pairs, 40 + 216
+    (2 / 3, True, (32, 192, True)),  # asked for: the key nearest 64, 64 + 192
+    (1 / 3, False, (20, 88, False)),  # asked not to
+])
+def test_the_quantizable_split_is_whole_blocks_by_default_up_to_a_third(fraction, asked, expected):
+    from dha_train.conversion.deepseek import DeepseekSettings, budget
+
+    pairs, rank, source, quantized = budget(_llama(3), DeepseekSettings(cache_fraction=fraction,
+                                                                        quantizable_cache=asked))
+    assert source == 384 and (pairs, rank, quantized) == expected
+    if quantized:
+        assert rank % 32 == 0 and (rank + 2 * pairs) % 32 == 0 and rank + 2 * pairs <= fraction * source
+
+
+def test_a_third_of_a_cache_with_no_room_for_two_blocks_keeps_the_unrounded_split():
+    from dha_train.conversion.deepseek import DeepseekSettings, budget
+
+    # 2 K/V heads of 32 dims: a third is 42 numbers, one block: no room for a latent and a key of a block each
+    assert budget(_llama(2, 32), DeepseekSettings(cache_fraction=1 / 3))[3] is False
