@@ -345,6 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument('--repeats', type=int, default=defaults.repeats, help='timing rounds (best reported)')
     serve.add_argument('--threads', type=int, default=None, help='llama.cpp threads (default: every core)')
     serve.add_argument('--no-loss', dest='loss', action='store_false', help='leave out the held-out losses')
+    serve.add_argument('--loss-sequences', dest='loss_sequences', type=int, default=defaults.loss_sequences,
+                       help=f'held-out sequences the losses are taken on (default {defaults.loss_sequences})')
     serve.set_defaults(func=run_serve)
 
 

@@ -23,8 +23,8 @@ Then, in one run, for every context of ``--contexts`` and every K/V cache type o
   refuses for a model (a quantized cache whose head sizes are not whole 32-value blocks) is recorded with its reason;
 - each as a ratio to the source at the same context, weights, cache type and sequences;
 - how many sequences of the longest context fit in ``--cache-budget-mib`` of cache;
-- held-out loss from llama.cpp's own logits (each 256-token held-out sequence from an empty cache), at every weight
-  and cache type, beside the HF folder's float32 loss on the same sequences.
+- held-out loss from llama.cpp's own logits (each of the first ``--loss-sequences`` held-out sequences from an empty
+  cache), at every weight and cache type, beside the HF folder's float32 loss on the same sequences.
 
 Flash attention is on (llama-server's ``--flash-attn auto`` turns it on for the CPU, and a quantized V cache needs it).
 
@@ -79,6 +79,7 @@ class ServeSettings:
     threads: int | None = None  # default: every core
     cache_budget_mib: float = 1024.0
     loss: bool = True  # held-out loss in llama.cpp and transformers
+    loss_sequences: int = 32  # the first held-out sequences the losses are taken on
 
 
 def chosen_rows(results: dict) -> tuple[dict[str, dict], list[str]]:
@@ -162,6 +163,8 @@ def check_settings(settings: ServeSettings) -> None:
     unknown = sorted(set(settings.cache_types) - set(CACHE_TYPES))
     if unknown or not settings.cache_types:
         raise ConfigError(f'bench serve: --cache-types must be among {", ".join(CACHE_TYPES)}, got {unknown or "none"}')
+    if settings.loss_sequences < 1:
+        raise ConfigError(f'bench serve: --loss-sequences must be >= 1, got {settings.loss_sequences}')
     if settings.cache_budget_mib <= 0:
         raise ConfigError(f'bench serve: --cache-budget-mib must be positive, got {settings.cache_budget_mib}')
 
@@ -250,13 +253,14 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                       **{f'{key}_ratio': timing[key] / source[key] if source else None
                          for key in ('kv_mib', 'prompt_tps', 'decode_tps')}})
     losses = {}
+    scored = sequences[:settings.loss_sequences]
     if settings.loss:
         for name, row in rows.items():
-            losses[name] = {'hf_float32': _hf_loss(row['hf_folder'], sequences), 'bench_real': row['val_loss']}
+            losses[name] = {'hf_float32': _hf_loss(row['hf_folder'], scored), 'bench_real': row['val_loss']}
             for outtype in settings.outtypes:
                 for cache_type in settings.cache_types:
                     try:
-                        loss = _engine_loss(files[name, outtype], sequences, threads, cache_type)
+                        loss = _engine_loss(files[name, outtype], scored, threads, cache_type)
                     except LlamaCppError:
                         loss = None  # the refusal is in 'refused'
                     losses[name][f'llama_cpp_{outtype}_{cache_type}'] = loss
@@ -266,7 +270,7 @@ def run_serve_bench(settings: ServeSettings) -> dict:
               'models': {name: row['hf_folder'] for name, row in rows.items()},
               'labels': {name: row['label'] for name, row in rows.items()},
               'skipped': missing, 'cache_unquantizable': cache_notes, 'refused': refused,
-              'heldout_tokens': int(sum(len(s) for s in sequences)), 'rows': table,
+              'loss_tokens': int(sum(len(s) for s in scored)), 'rows': table,
               'capacity': capacity(table, settings.cache_budget_mib), 'losses': losses}
     report['targets'] = target_verdicts(report)
     (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
@@ -359,7 +363,9 @@ def decode_table(report: dict) -> str:
 
 
 def capacity_table(report: dict) -> str:
-    lines = ['| model | weights | cache | K+V MiB an 8K sequence | sequences in the budget | x source |',
+    context = max((entry['context'] for entry in report['capacity']), default=0)
+    budget = report['settings']['cache_budget_mib']
+    lines = [f'| model | weights | cache | K+V MiB a {context}-token sequence | sequences in {budget:g} MiB | x source |',
              '| --- | --- | --- | --- | --- | --- |']
     for entry in sorted(report['capacity'], key=lambda e: (e['outtype'], e['cache_type'])):
         lines.append(f"| {entry['model']} | {entry['outtype']} | {entry['cache_type']} | "
