@@ -263,7 +263,7 @@ class LlamaCppSequences:
             last = first + len(chunk) == len(tokens)
             self._decode([(token, first + i, 0, last and i == len(chunk) - 1) for i, token in enumerate(chunk)])
         seconds = time.perf_counter() - started
-        self.next_token = self._argmax(len(tokens) - 1 - (len(tokens) - 1) // self.n_batch * self.n_batch)
+        self.next_token = self._argmax(-1)  # the last output of the last batch
         for sequence in range(1, self.sequences):
             llama_cpp.llama_memory_seq_cp(self.memory, 0, sequence, -1, -1)
         self.prompt_length = len(tokens)
