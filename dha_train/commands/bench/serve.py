@@ -284,9 +284,9 @@ def run_serve_bench(settings: ServeSettings) -> dict:
 def capacity(table: list[dict], budget_mib: float) -> list[dict]:
     """Per model, weights and cache type: how many sequences of the longest context fit in ``budget_mib`` of cache,
     from llama.cpp's reported MiB per sequence, and that count against the source's."""
-    longest = max(row['context'] for row in table)
+    longest, fewest = max(row['context'] for row in table), min(row['sequences'] for row in table)
     per_sequence = {(row['model'], row['outtype'], row['cache_type']): row for row in table
-                    if row['context'] == longest and row['sequences'] == min(r['sequences'] for r in table)}
+                    if row['context'] == longest and row['sequences'] == fewest}
     entries = []
     for (name, outtype, cache_type), row in per_sequence.items():
         fits = int(budget_mib // row['kv_mib_per_sequence'])
