@@ -156,3 +156,31 @@ def test_bench_serve_decodes_many_sequences_against_the_source_in_one_run(models
     assert losses['source']['llama_cpp_f16_q8_0'] == pytest.approx(losses['source']['hf_float32'], abs=5e-2)
     assert '| MLA-DeepSeek 1/3 | f16 | f16 | 64 |' in printed and '| source | f16 | q8_0 |' in printed
     assert all(Path(plot).is_file() for plot in report['plots']) and len(report['plots']) == 4
+    assert not (out / 'results.partial.json').exists()
+
+
+def test_bench_serve_stopped_after_timing_keeps_what_it_timed(models, tmp_path, data_root, monkeypatch):
+    """A run stopped after the timings (here by the HF loss failing) leaves every timed row in
+    results.partial.json, marked incomplete, and no results.json."""
+    from dha_train.commands.bench import serve
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError('stopped here')
+
+    monkeypatch.setattr(serve, '_hf_loss', stopped)
+    rows = [{'label': 'teacher', 'method': 'teacher', 'budget': None, 'val_loss': 5.0,
+             'hf_folder': str(models['gqa'])}]
+    results = tmp_path / 'real.json'
+    results.write_text(json.dumps({'rows': rows, 'data': {'heldout': {'root': str(data_root),
+                                                                       'domain_label': 'github'}}}))
+    out = tmp_path / 'serve'
+    settings = serve.ServeSettings(real=[str(results)], out=str(out), contexts=[32, 64], sequences=[1, 2],
+                                   cache_types=['f16'], decode_tokens=4, repeats=1, threads=1)
+    with pytest.raises(RuntimeError, match='stopped here'):
+        serve.run_serve_bench(settings)
+    assert not (out / 'results.json').exists()
+    partial = json.loads((out / 'results.partial.json').read_text())
+    assert partial['complete'] is False
+    assert sorted((row['context'], row['sequences']) for row in partial['rows']) == [(32, 1), (32, 2), (64, 1),
+                                                                                      (64, 2)]
+    assert all(row['decode_tps'] > 0 and row['decode_tps_ratio'] == 1.0 for row in partial['rows'])

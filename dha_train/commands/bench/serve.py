@@ -26,6 +26,9 @@ Then, in one run, for every context of ``--contexts`` and every K/V cache type o
 - held-out loss from llama.cpp's own logits (each of the first ``--loss-sequences`` held-out sequences from an empty
   cache), at every weight and cache type, beside the HF folder's float32 loss on the same sequences.
 
+The results go to ``<out>/results.json`` at the end; after each context and cache type the timings so far are
+written to ``<out>/results.partial.json``, so that a run stopped part-way keeps what it timed.
+
 Flash attention is on (llama-server's ``--flash-attn auto`` turns it on for the CPU, and a quantized V cache needs it).
 
 Targets (reported, never tested): at 8 sequences of 8,192 tokens a third of the cache decodes at least 1.5x the
@@ -209,6 +212,7 @@ def run_serve_bench(settings: ServeSettings) -> dict:
 
     timings: dict[tuple, dict] = {}
     refused: list[dict] = []
+    partial = out / 'results.partial.json'
     for context in settings.contexts:
         prompt = prompt_text[:context - settings.decode_tokens - 1]
         first_tokens = prompt_text[len(prompt):len(prompt) + most]  # each sequence's own next token of the text
@@ -243,15 +247,13 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                     for engine in engines.values():
                         engine.close()
                 print(f'[bench serve] timed context {context} ({outtype} weights, {cache_type} cache)', flush=True)
+                # what is timed so far, so that a long run stopped part-way keeps it (replaced by results.json)
+                partial.write_text(json.dumps({'settings': asdict(settings), 'date': time.strftime('%Y-%m-%d'),
+                                               'machine': _machine(), 'threads': threads, 'complete': False,
+                                               'refused': refused, 'rows': _timing_rows(timings, rows)},
+                                              indent=2) + '\n')
 
-    table = []
-    for (name, outtype, cache_type, context, count), timing in timings.items():
-        source = timings.get(('source', outtype, cache_type, context, count))
-        table.append({'model': name, 'method': rows[name]['method'], 'budget': rows[name].get('budget'),
-                      'label': rows[name]['label'], 'outtype': outtype, 'cache_type': cache_type, 'context': context,
-                      'sequences': count, **timing,
-                      **{f'{key}_ratio': timing[key] / source[key] if source else None
-                         for key in ('kv_mib', 'prompt_tps', 'decode_tps')}})
+    table = _timing_rows(timings, rows)
     losses = {}
     scored = sequences[:settings.loss_sequences]
     if settings.loss:
@@ -276,9 +278,24 @@ def run_serve_bench(settings: ServeSettings) -> dict:
     (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
     report['plots'] = plot_serve(report, out)
     (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
+    partial.unlink(missing_ok=True)
     for table_text in (decode_table(report), capacity_table(report), targets_table(report), loss_table(report)):
         print('\n' + table_text)
     return report
+
+
+def _timing_rows(timings: dict[tuple, dict], rows: dict[str, dict]) -> list[dict]:
+    """One row of the results per (model, weights, cache type, context, sequences) timed, with its ratios to the
+    source's row of the same key (None where the source has none)."""
+    table = []
+    for (name, outtype, cache_type, context, count), timing in timings.items():
+        source = timings.get(('source', outtype, cache_type, context, count))
+        table.append({'model': name, 'method': rows[name]['method'], 'budget': rows[name].get('budget'),
+                      'label': rows[name]['label'], 'outtype': outtype, 'cache_type': cache_type, 'context': context,
+                      'sequences': count, **timing,
+                      **{f'{key}_ratio': timing[key] / source[key] if source else None
+                         for key in ('kv_mib', 'prompt_tps', 'decode_tps')}})
+    return table
 
 
 def capacity(table: list[dict], budget_mib: float) -> list[dict]:
