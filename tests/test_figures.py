@@ -333,7 +333,7 @@ QUOTING_SECTIONS = {
                                       'the 50-document rows (history: git show a737110:docs/results/bench_real.json)')}},
     ('docs/serving.md', '## Measured in llama.cpp'): {
         'files': ('bench_serve.json',),
-        'elsewhere': {}},
+        'elsewhere': {'82.5': 'the batch-1 run of 2026-11-26 (git show c6f27e9:docs/results/bench_serve.json)'}},
     ('docs/benchmarks/quality.md', '## MLA at 0 tokens against TransMLA'): {
         'files': ('mla_zero.json',),
         'elsewhere': {'5.36': "Perl's version, naming the fresh text",
