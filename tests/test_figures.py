@@ -337,7 +337,7 @@ QUOTING_SECTIONS = {
     ('docs/benchmarks/quality.md', '## MLA at 0 tokens against TransMLA'): {
         'files': ('mla_zero.json',),
         'elsewhere': {'5.36': "Perl's version, naming the fresh text",
-                      **dict.fromkeys(('0.686', '0.597'), "the table's mean layer error, a mean of the file's")}},
+                      **dict.fromkeys(('0.633', '0.597'), "the table's mean layer error, a mean of the file's")}},
     ('docs/benchmarks/quality.md', '## On SmolLM2-135M'): {
         'files': ('bench_real.json',),
         'elsewhere': {'0.630': 'dha-train eval, by hand', '0.485': 'dha-train eval, by hand', '0.660': 'dha-train eval, by hand',
