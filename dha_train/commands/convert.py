@@ -88,10 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           'not above (docs/methods/mla.md has the cost)')
     mla.add_argument('--balance', choices=BALANCES, default=None,
                      help=f'scale the keys against the values before the joint factorisation (default '
-                          f'{defaults.balance}; deepseek: {DeepseekSettings(cache_fraction=1.0).balance}): energy (equal '
-                          'total '
-                          'energy under the calibration covariance), feature_norm (TransMLA: equal mean per-feature '
-                          'norm) or none')
+                          f'{defaults.balance}; deepseek: {DeepseekSettings.balance}): energy (equal total energy '
+                          'under the calibration covariance), feature_norm (TransMLA: equal mean per-feature norm) or '
+                          'none')
     mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')
     mla.add_argument('--tokens', type=int, default=None, help=f'calibration tokens (default {defaults.tokens})')
     mla.add_argument('--batch-size', type=int, default=None, help=f'default {defaults.batch_size}')

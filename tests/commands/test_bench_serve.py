@@ -112,6 +112,14 @@ def test_a_quantizable_split_that_the_budget_has_no_room_for_is_refused(models, 
     assert '--rope-pairs 10 gives a 20-dim key' in line and '[32]' in line
 
 
+def stand_in_bench_real(tmp_path: Path, data_root: Path, rows: list[dict]) -> Path:
+    """A bench real results file holding ``rows`` and the held-out data of the test corpus."""
+    results = tmp_path / 'real.json'
+    results.write_text(json.dumps({'rows': rows, 'data': {'heldout': {'root': str(data_root),
+                                                                       'domain_label': 'github'}}}))
+    return results
+
+
 def test_bench_serve_decodes_many_sequences_against_the_source_in_one_run(models, tmp_path, data_root, capsys):
     """`bench serve` on a stand-in for a bench real folder: the GQA source as the teacher and its DeepSeek-format
     conversion (the default, unquantizable split) as MLA at a third; ratios to the source at every count of
@@ -122,9 +130,7 @@ def test_bench_serve_decodes_many_sequences_against_the_source_in_one_run(models
              'hf_folder': str(models['gqa'])},
             {'label': 'MLA-DeepSeek kv1 +KL', 'method': 'mla_deepseek', 'budget': 'kv1', 'val_loss': 5.0,
              'hf_folder': str(models['deepseek'])}]
-    results = tmp_path / 'real.json'
-    results.write_text(json.dumps({'rows': rows, 'data': {'heldout': {'root': str(data_root),
-                                                                       'domain_label': 'github'}}}))
+    results = stand_in_bench_real(tmp_path, data_root, rows)
     out = tmp_path / 'serve'
     assert main(['bench', 'serve', '--real', str(results), '--out', str(out), '--contexts', '32', '64',
                  '--sequences', '1', '2', '--decode-tokens', '4', '--repeats', '1', '--threads', '1',
@@ -170,11 +176,8 @@ def test_bench_serve_stopped_after_timing_keeps_what_it_timed(models, tmp_path, 
     monkeypatch.setattr(serve, '_hf_loss', stopped)
     rows = [{'label': 'teacher', 'method': 'teacher', 'budget': None, 'val_loss': 5.0,
              'hf_folder': str(models['gqa'])}]
-    results = tmp_path / 'real.json'
-    results.write_text(json.dumps({'rows': rows, 'data': {'heldout': {'root': str(data_root),
-                                                                       'domain_label': 'github'}}}))
     out = tmp_path / 'serve'
-    settings = serve.ServeSettings(real=[str(results)], out=str(out), contexts=[32, 64], sequences=[1, 2],
+    settings = serve.ServeSettings(real=[str(stand_in_bench_real(tmp_path, data_root, rows))], out=str(out), contexts=[32, 64], sequences=[1, 2],
                                    cache_types=['f16'], decode_tokens=4, repeats=1, threads=1)
     with pytest.raises(RuntimeError, match='stopped here'):
         serve.run_serve_bench(settings)

@@ -221,7 +221,6 @@ def test_a_fold_mixes_pairs_within_its_span_and_keeps_more_key_energy():
     assert folded_kept > plain_kept
 
 
-
 def _llama(kv_heads: int, dim: int = 64) -> LlamaConfig:
     return LlamaConfig(hidden_size=3 * kv_heads * dim, num_attention_heads=3 * kv_heads, num_key_value_heads=kv_heads,
                        head_dim=dim, num_hidden_layers=2)

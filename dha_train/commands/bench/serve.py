@@ -213,6 +213,8 @@ def run_serve_bench(settings: ServeSettings) -> dict:
     timings: dict[tuple, dict] = {}
     refused: list[dict] = []
     partial = out / 'results.partial.json'
+    run = {'settings': asdict(settings), 'results_files': pooled['files'], 'threads': threads, 'machine': _machine(),
+           'date': time.strftime('%Y-%m-%d')}  # heads both the partial and the final results
     for context in settings.contexts:
         prompt = prompt_text[:context - settings.decode_tokens - 1]
         first_tokens = prompt_text[len(prompt):len(prompt) + most]  # each sequence's own next token of the text
@@ -248,10 +250,8 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                         engine.close()
                 print(f'[bench serve] timed context {context} ({outtype} weights, {cache_type} cache)', flush=True)
                 # what is timed so far, so that a long run stopped part-way keeps it (replaced by results.json)
-                partial.write_text(json.dumps({'settings': asdict(settings), 'date': time.strftime('%Y-%m-%d'),
-                                               'machine': _machine(), 'threads': threads, 'complete': False,
-                                               'refused': refused, 'rows': _timing_rows(timings, rows)},
-                                              indent=2) + '\n')
+                partial.write_text(json.dumps({**run, 'complete': False, 'refused': refused,
+                                               'rows': _timing_rows(timings, rows)}, indent=2) + '\n')
 
     table = _timing_rows(timings, rows)
     losses = {}
@@ -267,15 +267,14 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                         loss = None  # the refusal is in 'refused'
                     losses[name][f'llama_cpp_{outtype}_{cache_type}'] = loss
         print('[bench serve] held-out losses done', flush=True)
-    report = {'settings': asdict(settings), 'results_files': pooled['files'], 'threads': threads,
-              'machine': _machine(), 'date': time.strftime('%Y-%m-%d'),
+    report = {**run,
               'models': {name: row['hf_folder'] for name, row in rows.items()},
               'labels': {name: row['label'] for name, row in rows.items()},
               'skipped': missing, 'cache_unquantizable': cache_notes, 'refused': refused,
               'loss_tokens': int(sum(len(s) for s in scored)), 'rows': table,
               'capacity': capacity(table, settings.cache_budget_mib), 'losses': losses}
     report['targets'] = target_verdicts(report)
-    (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
+    (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')  # kept should plotting fail
     report['plots'] = plot_serve(report, out)
     (out / 'results.json').write_text(json.dumps(report, indent=2) + '\n')
     partial.unlink(missing_ok=True)
