@@ -54,6 +54,32 @@ class UntrustedDataError(DhaTrainError, ValueError):
     """Data from a checkpoint or a folder that would name code, a class outside the allow-list, or a path: refused."""
 
 
+def plain_name(name: Any, where: str, what: str = 'a file name', *, folder: str | Path | None = None,
+               subfolders: bool = False) -> str:
+    """``name``, read from a folder's own data (an MDS ``index.json``, a shard index, a tokenizer config), when it is a
+    plain base name inside that folder: a non-empty string with no path separator, not ``.`` or ``..``, no NUL, not
+    absolute. ``subfolders``: a relative path of such names (``part-00000/shard.00000.mds``: an MDS index that
+    streaming's ``merge_index`` wrote). ``folder``: the folder it is read in; the path must also resolve inside it
+    (no link inside leads out). Anything else is refused before a path is built from it: the one rule every reader of
+    a name from data calls, so that nothing outside the folder is opened, written or downloaded because data named it.
+    """
+    parts = name.split('/') if isinstance(name, str) and subfolders else [name]
+    if not isinstance(name, str) or not all(_plain_part(part) for part in parts):
+        raise UntrustedDataError(f'{where}: {what} {name!r:.120} is not a plain file name inside its folder '
+                                 '(no .., not absolute, no separators); dha-train opens nothing it names')
+    if folder is not None:
+        root = Path(folder).resolve()
+        if not (root / name).resolve().is_relative_to(root):
+            raise UntrustedDataError(f'{where}: {what} {name!r:.120} leads out of {folder} through a link; '
+                                     'dha-train opens nothing outside the folder')
+    return name
+
+
+def _plain_part(part: Any) -> bool:
+    return (isinstance(part, str) and part not in ('', '.', '..') and not any(c in part for c in '/\\\0')
+            and not Path(part).is_absolute())
+
+
 def _shipped_auto_map(model_type: str) -> dict[str, str]:
     """The ``auto_map`` the project's own export of ``model_type`` writes (its modeling file's config and causal-LM
     classes, as ``register_for_auto_class`` names them); {} for transformers' own types."""
