@@ -39,8 +39,8 @@ from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.intervals import mean_of_means_interval
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
+from dha_train.tokenizer_files import load_tokenizer_folder
 from dha_train.train import close_trainer
-from dha_train.untrusted import load_tokenizer_folder
 
 DOCUMENTS_FILE = 'eval_documents.json'  # each scored document's result, for paired comparisons
 

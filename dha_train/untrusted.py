@@ -12,9 +12,9 @@ checkpoint's tokenizer entries under file names the checkpoint chooses (``.py`` 
   the class its type names, and loading it as that class would silently be another model: refused;
   ``trust_remote_code``, ``auto_map`` and ``_name_or_path`` are then dropped and the config is built by
   ``AutoConfig.for_model`` with the project's own classes registered. Nothing a config names is imported.
-- **tokenizers** (``load_tokenizer_folder``): ``tokenizer_config.json``'s ``tokenizer_class`` must name a tokenizer
-  class of transformers itself, and transformers is told ``trust_remote_code=False``, so an ``auto_map`` in the
-  folder is never followed.
+- **tokenizers** (``check_tokenizer_config``): ``tokenizer_config.json``'s ``tokenizer_class`` must name a tokenizer
+  class of transformers itself; ``dha_train.tokenizer_files`` loads every tokenizer from its own copy of a folder's
+  tokenizer files, with no ``auto_map`` and no ``*_file`` key, so nothing a tokenizer folder names is opened or run.
 - **tokenizer files carried in a checkpoint** (``write_tokenizer_entries``): base names from ``TOKENIZER_FILE_NAMES``
   only, each with its own extension, written by the project into a folder of its own; anything else is refused in one
   line before any file is written.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -130,7 +130,7 @@ def config_from_dict(config: Mapping[str, Any], *, where: str,
         raise UntrustedDataError(f'{where}: not a valid {model_type} config ({type(exc).__name__}: {exc})') from exc
 
 
-def _tokenizer_class_allowed(name: str) -> bool:
+def tokenizer_class_allowed(name: str) -> bool:
     """``name`` is a tokenizer class of transformers, or its fast variant is (AutoTokenizer takes ``name + 'Fast'``
     first; the slow class is a placeholder where its library, e.g. sentencepiece, is not installed)."""
     if not name.isidentifier():
@@ -144,25 +144,9 @@ def check_tokenizer_config(config: Any, where: str) -> None:
     if not isinstance(config, Mapping):
         raise UntrustedDataError(f'{where}: {TOKENIZER_CONFIG} is not a JSON object')
     name = config.get('tokenizer_class')
-    if name is not None and not (isinstance(name, str) and _tokenizer_class_allowed(name)):
+    if name is not None and not (isinstance(name, str) and tokenizer_class_allowed(name)):
         raise UntrustedDataError(f'{where}: {TOKENIZER_CONFIG} names tokenizer_class {name!r}, which is not a '
                                  'tokenizer class of transformers; dha-train loads no other class')
-
-
-def load_tokenizer_folder(folder: str | Path, where: str, config: PretrainedConfig | None = None):
-    """``AutoTokenizer`` on a local folder, after ``check_tokenizer_config``, with ``trust_remote_code=False`` (an
-    ``auto_map`` is never followed) and no hub. ``config``: the folder's model config, already built safely, so the
-    tokenizer does not read config.json itself."""
-    folder = Path(folder)
-    config_file = folder / TOKENIZER_CONFIG
-    if config_file.is_file():
-        try:
-            tokenizer_config = json.loads(config_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UntrustedDataError(f'{where}: {config_file} is not readable JSON ({exc})') from exc
-        check_tokenizer_config(tokenizer_config, where)
-    extra = {'config': config} if config is not None else {}
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **extra)
 
 
 def _tokenizer_file(name: Any, entry: Any, where: str) -> tuple[str, Any]:

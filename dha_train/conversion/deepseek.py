@@ -38,7 +38,7 @@ from dha_train.ops.deepseek import (
 )
 from dha_train.ops.mla import BALANCES, pair_key_cross_energy
 from dha_train.paths import refuse_nonempty, staged_folder
-from dha_train.untrusted import load_tokenizer_folder
+from dha_train.tokenizer_files import load_tokenizer_folder
 
 CARRIED_ROPE_TYPES = ('default', 'linear', 'llama3')  # per-frequency scalings: the same at the kept frequencies
 # Defaults chosen on a validation text no conversion calibrates on and no bench scores (vim's help files, 512 tokens a

@@ -22,7 +22,7 @@ from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
 from dha_train.ops.heads import mean_pool_llama_state_dict, permute_llama_state_dict
 from dha_train.paths import refuse_nonempty, staged_folder
-from dha_train.untrusted import load_tokenizer_folder
+from dha_train.tokenizer_files import load_tokenizer_folder
 
 
 def as_contiguous_gqa(head_map: HeadMap) -> tuple[HeadMap, list[list[int]]] | None:

@@ -39,7 +39,7 @@ from dha_train.ops.mla import (
     rope_pair_scores,
 )
 from dha_train.paths import refuse_nonempty, staged_folder
-from dha_train.untrusted import load_tokenizer_folder
+from dha_train.tokenizer_files import load_tokenizer_folder
 
 RANK_CHOICES = ('uniform', 'spectrum')
 FACTORISATIONS = ('activation', 'weight')

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dha_train.errors import DhaTrainError, InputNotFoundError
-from dha_train.untrusted import UntrustedDataError, load_tokenizer_folder
+from dha_train.tokenizer_files import load_tokenizer_folder
+from dha_train.untrusted import UntrustedDataError
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = '<s>', '</s>', '<pad>'
 

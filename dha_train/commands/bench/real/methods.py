@@ -339,7 +339,7 @@ def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k
     from dha_train.methods import export_model, tag_method
     from dha_train.model_folders import load_llama_config
     from dha_train.models.modeling_moh import check_moh_settings
-    from dha_train.untrusted import load_tokenizer_folder
+    from dha_train.tokenizer_files import load_tokenizer_folder
 
     source, out = Path(source), Path(out)
     config = load_llama_config(source, who='bench real (MoH source)')
