@@ -1,7 +1,8 @@
 """The run configuration: YAML + dotlist overrides -> checked dataclasses, before anything heavy starts.
 
 Errors name the bad key (with the closest valid key), the wrong type, or the missing value. Free variables live
-under ``variables:`` and are used through omegaconf interpolation (``${variables.data_root}``).
+under ``variables:`` and are used through omegaconf interpolation (``${variables.data_root}``). ``${oc.env:NAME}``
+takes the environment's value for the run; the config as saved and logged shows the expression (``config_env``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from streaming.base.hashing import get_hashes
 from transformers import LlamaConfig
 
+from dha_train.config_env import env_values, show_env_values
 from dha_train.data.domains import DOMAINS
 from dha_train.errors import DhaTrainError
 
@@ -285,12 +287,14 @@ def load_config(source: str | Path | dict, overrides: typing.Sequence[str] = ())
         if overrides:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         raw = OmegaConf.to_container(cfg, resolve=True)
+        unresolved = OmegaConf.to_container(cfg, resolve=False)
     except OmegaConfBaseException as exc:
         raise ConfigError(f'cannot resolve config: {exc}') from exc
     if not isinstance(raw, dict):
         raise ConfigError('the config must be a mapping at the top level')
     config = _build_dataclass(TrainConfig, raw, '')
     _check_values(config)
+    config.env_values = env_values(raw, unresolved)  # not a field: no recipe sets it
     return config
 
 
@@ -370,5 +374,6 @@ def per_device_batch(config: TrainConfig, world_size: int, ranks: str) -> int:
 
 
 def config_to_dict(config: TrainConfig) -> dict:
-    """The checked config as plain data, for logging as hyper-parameters and saving beside a run."""
-    return dataclasses.asdict(config)
+    """The checked config as plain data, for logging as hyper-parameters and saving beside a run: a value that an
+    ``${oc.env:NAME}`` went into is shown as written with the expression, not with the environment's value."""
+    return show_env_values(dataclasses.asdict(config), getattr(config, 'env_values', {}))
