@@ -51,8 +51,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.torch_version import TorchVersion
 
+from dha_train.checkpoint_sizes import metadata_size_problem, tensor_size_problem
 from dha_train.errors import DhaTrainError, OutputExistsError
 from dha_train.untrusted import UntrustedDataError, check_tokenizer_entries, config_fields
+from dha_train.weight_sizes import check_config_sizes
 
 LATEST = 'latest-rank0.pt'  # Composer's link to the newest checkpoint in a save_folder (rank 0's)
 # Composer's default save_filename as rank 0 writes it (dha-train sets no other): ep{epoch}-ba{batch}-rank0.pt
@@ -195,6 +197,10 @@ def read_checked_metadata(path: str | Path) -> dcp_metadata.Metadata:
                 and '\\' not in name):
             raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names shard file {name!r}, not a file name inside '
                                         'the folder')
+    problem = metadata_size_problem(metadata)
+    if problem is not None:
+        raise UnsafeCheckpointError(f'its {SHARDED_METADATA} {problem}; dha-train allocates nothing its bytes do not '
+                                    'back')
     return metadata
 
 
@@ -307,11 +313,12 @@ def torch_load(path: str | Path, *, mmap: bool = False) -> Any:
 
 
 def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
-    """``torch_load`` with its failures as one-line CheckpointErrors naming ``shown`` (default: ``path``)."""
+    """``torch_load`` with its failures as one-line CheckpointErrors naming ``shown`` (default: ``path``), and every
+    tensor of it no larger than its storage (``tensor_size_problem``)."""
+    shown = shown or path
     try:
-        return torch_load(path, mmap=mmap)
+        state = torch_load(path, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt or foreign files
-        shown = shown or path
         if isinstance(exc, UnsafeCheckpointError):
             raise UnsafeCheckpointError(f'{shown}: {exc}; dha-train refuses it') from None
         refused = _refused_type(exc)
@@ -325,13 +332,41 @@ def _load(path: Path, mmap: bool, shown: Path | None = None) -> dict:
         lines = str(exc).strip().splitlines()
         reason = detail.group(1) if detail else lines[0] if lines else ''
         raise _incomplete(shown, f'{type(exc).__name__}: {reason}') from exc
+    problem = tensor_size_problem(state)
+    if problem is not None:
+        raise CheckpointError(f'{shown}: {problem}')
+    return state
 
 
 def _check_state(state: Any, path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get('state'), dict) or 'model' not in state['state']:
         raise CheckpointError(f'{path} is not a Composer checkpoint (no state.model)')
+    model = state['state']['model']
+    if not isinstance(model, dict):
+        raise CheckpointError(f'{path}: its model state is a {type(model).__name__}, not a mapping of weights')
+    for name, value in model.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f'{path}: its model state holds a {type(value).__name__} as weight {name!r:.80}, '
+                                  'not a tensor')
+    timestamp = state['state'].get('timestamp')
+    timestamp = timestamp.get('Timestamp', timestamp) if isinstance(timestamp, dict) else {}  # as Composer saves it
+    for name, value in (timestamp.items() if isinstance(timestamp, dict) else ()):
+        check_time_counter(name, value, path)
     check_hf_metadata(state, path)
     return state
+
+
+# Composer's timestamp counters (``Timestamp.state_dict``): Composer's resume and export's token count read each one as a
+# whole number
+TIME_COUNTERS = ('iteration', 'epoch', 'batch', 'sample', 'token', 'epoch_in_iteration', 'token_in_iteration',
+                 'batch_in_epoch', 'sample_in_epoch', 'token_in_epoch')
+
+
+def check_time_counter(name: str, value: Any, path: Path) -> None:
+    """Refuse ``state.timestamp``'s counter ``name`` (a whole file's, or a sharded folder's item) unless it is a whole
+    number of at least 0."""
+    if name in TIME_COUNTERS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise CheckpointError(f'{path}: its timestamp\'s {name} is {value!r:.40}, not a whole number of at least 0')
 
 
 def check_hf_metadata(state: dict, path: Path) -> None:
@@ -348,8 +383,10 @@ def check_hf_metadata(state: dict, path: Path) -> None:
         model = hf_state.get('model')
         config = model.get('config') if isinstance(model, dict) else None
         if config is not None:
-            config_fields(config.get('content') if isinstance(config, dict) else config,
-                          where=f'{path} (its Hugging Face config)')
+            where = f'{path} (its Hugging Face config)'
+            content = config.get('content') if isinstance(config, dict) else config
+            config_fields(content, where=where)
+            check_config_sizes(content, where)
         if hf_state.get('tokenizer'):
             check_tokenizer_entries(hf_state['tokenizer'], str(path))
     except UntrustedDataError as exc:
@@ -419,11 +456,13 @@ def _check_byte_items(path: Path, metadata: dcp_metadata.Metadata) -> None:
             shard.seek(info.offset)
             raw = shard.read(info.length)
         try:
-            check_byte_item(raw, index.fqn)
+            item = check_byte_item(raw, index.fqn)
         except UnsafeCheckpointError:
             raise
         except Exception as exc:  # a torn or foreign item
             raise _incomplete(path, f'its item {index.fqn} is unreadable ({type(exc).__name__}: {exc})') from exc
+        if index.fqn.startswith('state.timestamp.Timestamp.'):
+            check_time_counter(index.fqn.rsplit('.', 1)[1], item, path)
 
 
 def check_checkpoint(path: str | Path) -> Path:

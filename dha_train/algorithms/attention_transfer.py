@@ -32,7 +32,6 @@ copy with the rest of the model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,7 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.methods import TRAINING_ONLY_MODULES
-from dha_train.model_folders import check_model_folder, load_llama_config
+from dha_train.model_folders import check_model_folder, load_llama_config, safetensors_shards
 from dha_train.models.llama_layout import hf_model, train_only_attention
 
 SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
@@ -54,8 +53,11 @@ SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
 
 def _source_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """Just the named tensors of a (possibly sharded) safetensors folder."""
-    index = folder / 'model.safetensors.index.json'
-    files = ({name: json.loads(index.read_text())['weight_map'][name] for name in names} if index.is_file()
+    shards = safetensors_shards(folder, 'attention_transfer source_path')  # every shard name checked
+    unmapped = sorted(set(names) - set(shards)) if shards is not None else []
+    if unmapped:
+        raise ConfigError(f'attention_transfer: the shard index of {folder} maps no shard for {unmapped[0]}')
+    files = ({name: shards[name] for name in names} if shards is not None
              else {name: 'model.safetensors' for name in names})
     tensors = {}
     for file in sorted(set(files.values())):
