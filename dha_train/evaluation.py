@@ -37,6 +37,7 @@ from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import TOKENIZER_FILES, has_tokenizer, load_causal_lm, load_model_config
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.intervals import mean_of_means_interval
+from dha_train.paths import write_file_atomically
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
 from dha_train.tokenizer_files import load_tokenizer_folder
@@ -226,8 +227,10 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
     out.mkdir(parents=True, exist_ok=True)
     if sequences:  # the held-out loss's 95% interval over sequences (the mean of the domains' means, as val_loss)
         result['val_loss_ci95'] = mean_of_means_interval(sequences)[1]
-    (out / RESULTS_FILE).write_text(json.dumps(result, indent=2))
-    (out / DOCUMENTS_FILE).write_text(json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences}))
+    # by default inside the model folder, which came from elsewhere: a link there is replaced, not written through
+    write_file_atomically(out / RESULTS_FILE, json.dumps(result, indent=2))
+    write_file_atomically(out / DOCUMENTS_FILE,
+                          json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences}))
     _add_scores_to_card(source, result, data)
     print_scores(result)
     if losses:

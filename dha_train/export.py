@@ -6,7 +6,6 @@ turns it into the model that method stands for.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import dha_train.models  # noqa: F401  (registers the DHA and MoH classes so eve
 from dha_train.checkpoints import CheckpointError, load_composer_state, resolve_checkpoint
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.methods import MethodError, export_model, method_of
-from dha_train.model_card import RUN_RECORD, card_stage, write_model_card
+from dha_train.model_card import card_stage, read_run_record, write_model_card
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 from dha_train.tokenizer_files import load_tokenizer_folder
@@ -66,19 +65,6 @@ def model_weights(state: dict) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state['state']['model'].items()}
 
 
-def _run_record(checkpoint: Path, resolved: Path) -> dict:
-    """The run record ``dha-train train`` writes in its save folder (``RUN_RECORD``: the folder the run started
-    from, its recipe), looked for beside the checkpoint; {} for a run without one (older runs, remote folders)."""
-    for folder in (checkpoint, resolved.parent, resolved):
-        record = folder / RUN_RECORD
-        if record.is_file():
-            try:
-                return json.loads(record.read_text())
-            except (OSError, ValueError):
-                return {}
-    return {}
-
-
 def _trained_tokens(state: dict) -> int:
     """Tokens the run trained on, from Composer's timestamp in the checkpoint."""
     timestamp = state['state'].get('timestamp') or {}
@@ -87,8 +73,10 @@ def _trained_tokens(state: dict) -> int:
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
-              dtype: str = 'float32', overwrite: bool = False) -> Path:
-    """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``."""
+              dtype: str = 'float32', overwrite: bool = False, start: str | Path | None = None) -> Path:
+    """Write ``out_dir`` as a HF model folder loadable with ``AutoModelForCausalLM.from_pretrained``. ``start``: the
+    folder the run started from, whose card the export's continues (default: the run record's, when it lies beside
+    the save folder; ``model_card.read_run_record``)."""
     out_dir = Path(out_dir)
     refuse_nonempty(out_dir, overwrite)  # fail before loading the checkpoint
     check_writable(out_dir, staged=True)
@@ -100,8 +88,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
     hf_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else saved_tokenizer
 
     tagged = method_of(config)  # read before the export drops the tag
-    record = _run_record(Path(checkpoint), path)
-    start = Path(record['start']) if record.get('start') and Path(record['start']).is_dir() else None
+    record, start = read_run_record(Path(checkpoint), path, start)
     method_name = tagged.name if tagged is not None else None
     try:  # the method whose surgery the checkpoint holds (its tag in the config) turns it into its model
         config, weights = export_model(config, model_weights(state))

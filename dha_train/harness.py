@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dha_train.data.corpus import PROSE_DOMAIN
 from dha_train.errors import DhaTrainError
+from dha_train.paths import write_file_atomically
 
 RESULTS_FILE = 'eval_results.json'
 LOCAL_TASK = 'stdlib_mc'
@@ -89,20 +90,21 @@ def build_local_task(corpus: str | Path, out: str | Path, examples: int = 200, f
     pool = passages[needed:]
     out.mkdir(parents=True, exist_ok=True)
     for split, chosen in splits.items():
-        with (out / f'{split}.jsonl').open('w') as handle:
-            for words in chosen:
-                cut = len(words) // 2
-                true_end = ' '.join(words[cut:])
-                choices = [true_end]
-                while len(choices) < num_choices:
-                    other = rng.choice(pool)
-                    candidate = ' '.join(other[len(other) // 2:])
-                    if candidate not in choices:
-                        choices.append(candidate)
-                rng.shuffle(choices)
-                handle.write(json.dumps({'context': ' '.join(words[:cut]), 'choices': choices,
-                                         'label': choices.index(true_end)}) + '\n')
-    (out / f'{LOCAL_TASK}.yaml').write_text(f"""# dha_train's offline multiple-choice task, built by `dha-train local-task`.
+        lines = []
+        for words in chosen:
+            cut = len(words) // 2
+            true_end = ' '.join(words[cut:])
+            choices = [true_end]
+            while len(choices) < num_choices:
+                other = rng.choice(pool)
+                candidate = ' '.join(other[len(other) // 2:])
+                if candidate not in choices:
+                    choices.append(candidate)
+            rng.shuffle(choices)
+            lines.append(json.dumps({'context': ' '.join(words[:cut]), 'choices': choices,
+                                     'label': choices.index(true_end)}) + '\n')
+        write_file_atomically(out / f'{split}.jsonl', ''.join(lines))  # a link left in ``out`` is replaced
+    write_file_atomically(out / f'{LOCAL_TASK}.yaml', f"""# dha_train's offline multiple-choice task, built by `dha-train local-task`.
 task: {LOCAL_TASK}
 dataset_path: json
 dataset_kwargs:

@@ -18,15 +18,18 @@ every step from the original checkpoint.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dha_train.errors import InputNotFoundError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import mha_kv_values
+from dha_train.paths import write_file_atomically
 from dha_train.untrusted import config_from_dict
 
 CARD_FILE = 'README.md'
@@ -50,6 +53,46 @@ def read_model_card(folder: str | Path) -> tuple[dict, str]:
         return {}, text
     header, _, body = text[4:].partition('\n---\n')
     return yaml.safe_load(header) or {}, body
+
+
+def read_run_record(checkpoint: Path, resolved: Path, start: str | Path | None = None) -> tuple[dict, Path | None]:
+    """(the run record ``dha-train train`` wrote in the save folder of ``checkpoint``, the folder whose card an export
+    of it continues). The record (``RUN_RECORD``: the run's recipe and start folder) is looked for beside the
+    checkpoint as given and as ``resolved``; {} for a run without one (older runs, remote folders).
+
+    ``start``, named by the caller (``dha-train export --start``), is the start. The record's own ``start`` is data
+    that came with the checkpoint, so it is followed only inside the folder holding the save folder, where the
+    pipelines lay a stage's start beside its run (``<save_root>/<name>-init``, ``<save_root>/<name>-fusion/hf``); any
+    other folder it names is ignored with a one-line warning, and its card, base model and licence are not read."""
+    # train writes a plain file there; a link is not the run's record and is not followed
+    found = next((folder / RUN_RECORD for folder in (checkpoint, resolved.parent, resolved)
+                  if (folder / RUN_RECORD).is_file() and not (folder / RUN_RECORD).is_symlink()), None)
+    record: dict = {}
+    if found is not None:
+        try:
+            record = json.loads(found.read_text())
+        except (OSError, ValueError):
+            record = {}
+        if not isinstance(record, dict):
+            record = {}
+        record = {key: value for key, value in record.items() if isinstance(value, str)}
+    if start is not None:
+        if not Path(start).is_dir():
+            raise InputNotFoundError(f'--start {start}: not a folder (give the model folder the run started from)')
+        return record, Path(start)
+    named = record.get('start')
+    if found is None or not named or '://' in named:
+        return record, None
+    target = found.parent / named  # train records an absolute path; a relative one is taken from the save folder
+    if not target.is_dir():
+        return record, None
+    own_parent = found.parent.resolve().parent
+    if not target.resolve().is_relative_to(own_parent):
+        print(f"dha-train: warning: {found} names {named} as the run's start, outside {own_parent} (the folder "
+              "holding its save folder), so that folder's card is not carried into this one; pass --start "
+              f'{named} if the run did start there', file=sys.stderr)
+        return record, None
+    return record, target
 
 
 def _mha_kv_bytes(config) -> int:
@@ -153,7 +196,7 @@ def add_scores(folder: str | Path, scores: dict[str, dict[str, float]], name: st
 
 def _write(folder: Path, header: dict, body: str) -> None:
     text = '---\n' + yaml.safe_dump(header, sort_keys=False, default_flow_style=False) + '---\n' + body
-    (folder / CARD_FILE).write_text(text)
+    write_file_atomically(folder / CARD_FILE, text)  # eval adds scores to a folder it was given: never through a link
 
 
 def _body(name: str, header: dict, config) -> str:

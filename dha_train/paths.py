@@ -1,9 +1,10 @@
-"""Where the repository's recipes live, and writing output folders safely."""
+"""Where the repository's recipes live, and writing output folders and files safely."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -102,3 +103,24 @@ def replace_folder(new: Path, out_dir: Path) -> None:
         old.rename(out_dir)
         raise
     shutil.rmtree(old)
+
+
+def write_file_atomically(path: str | Path, content: str | bytes) -> Path:
+    """Write ``content`` (text as UTF-8, or bytes) to ``path`` as checkpoints are written: into a new file under a
+    hidden temporary name in the same folder, then ``os.replace``d onto ``path``. A link already at ``path`` (a user's,
+    or one that came with a downloaded folder) is replaced by the file, never written through, and a write cut off
+    leaves ``path`` as it was. The temporary name is created exclusively (``O_EXCL``: never an existing file or link)
+    with the usual permissions (0666 less the umask); it is removed if anything fails."""
+    path = Path(path)
+    data = content.encode('utf-8') if isinstance(content, str) else bytes(content)
+    temporary = path.with_name(f'.{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial')
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_CLOEXEC', 0)
+    handle = os.open(temporary, flags, 0o666)
+    try:
+        with os.fdopen(handle, 'wb') as stream:
+            stream.write(data)
+        os.replace(temporary, path)
+    finally:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+    return path

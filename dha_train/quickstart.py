@@ -125,7 +125,7 @@ def _dha_fusion(out: Path, run: Path, max_batches: int | None) -> dict:
     trainer, config, history = train_stage('dha/tiny/fusion.yaml',
                                             _dha_overrides(run, f'variables.model_path={teacher}'), max_batches)
     fusion = next(a for a in trainer.state.algorithms if isinstance(a, HeadFusion))
-    hf = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True)
+    hf = export_hf(config.save_folder, Path(config.save_folder) / 'hf', overwrite=True, start=teacher)
     out.mkdir(parents=True, exist_ok=True)
     (out / 'history.json').write_text(json.dumps({'fusion': fusion.history, 'train': history['train']}))
     return {'hf_folder': str(hf), 'batches': len(fusion.history), 'converged_at': fusion.converged_at,

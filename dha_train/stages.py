@@ -27,7 +27,7 @@ from composer.loggers import InMemoryLogger
 from dha_train.config import ConfigError, TrainConfig, load_config
 from dha_train.export import export_hf
 from dha_train.ops.budget import whole_head_count
-from dha_train.paths import recipe_path
+from dha_train.paths import recipe_path, write_file_atomically
 from dha_train.plan import run_tokens
 from dha_train.train import close_trainer, train
 
@@ -51,7 +51,7 @@ class Stage:
 
     def finish(self, result: dict) -> dict:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.marker.write_text(json.dumps(result, indent=2))
+        write_file_atomically(self.marker, json.dumps(result, indent=2))
         return result
 
     def run(self, build, say, isolated: bool = False) -> dict:
@@ -213,7 +213,7 @@ def ct_curve(data: Path, work: Path, model: str | Path, name: str, batches: int,
     result = {'curve': mean_eval_curve(history), 'final': mean_eval(history, -1)['mean'],
               'tokens': train_tokens(config, seq_len)}
     if export is not None:  # the run saves once, at its end (save_interval is past it)
-        result['hf_folder'] = str(export_hf(work / name, export, overwrite=True))
+        result['hf_folder'] = str(export_hf(work / name, export, overwrite=True, start=model))
     return result
 
 

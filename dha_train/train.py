@@ -38,7 +38,7 @@ from dha_train.distributed import average_fsdp_gradients
 from dha_train.errors import DhaTrainError, user_error
 from dha_train.model_card import RUN_RECORD
 from dha_train.optim import build_optimizer, build_scheduler
-from dha_train.paths import check_writable
+from dha_train.paths import check_writable, write_file_atomically
 
 
 def resolve_device_and_precision(config: TrainConfig) -> tuple[str, str]:
@@ -260,7 +260,8 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     if config.save_folder is not None and dist.get_global_rank() == 0 and '://' not in config.save_folder:
         folder = Path(config.save_folder.format(run_name=trainer.state.run_name))
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / 'dha_train_config.json').write_text(json.dumps(config_to_dict(config), indent=2))
+        # as checkpoints are: a link planted at the name is replaced, not written through
+        write_file_atomically(folder / 'dha_train_config.json', json.dumps(config_to_dict(config), indent=2))
     return trainer
 
 
@@ -290,7 +291,7 @@ def _record_run(config: TrainConfig, run_name: str, recipe: str | None) -> None:
     start = config.model.pretrained_path
     record = {'run_name': run_name, 'recipe': recipe,
               'start': str(Path(start).resolve()) if start and '://' not in str(start) else start}
-    (folder / RUN_RECORD).write_text(json.dumps(record, indent=2) + '\n')
+    write_file_atomically(folder / RUN_RECORD, json.dumps(record, indent=2) + '\n')
 
 
 def train(config: TrainConfig, extra_loggers: Sequence = (), extra_callbacks: Sequence = (),

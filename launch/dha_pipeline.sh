@@ -37,7 +37,8 @@ if [[ -f "$SAVE/$NAME-fusion/hf/config.json" ]]; then
 else
   say "fusion"
   $COMPOSER -n "$NPROC" -m dha_train.train "$RECIPES/fusion.yaml" variables.model_path="$MODEL" "${COMMON[@]}" "${EXTRA[@]}"
-  $DHA_TRAIN export "$SAVE/$NAME-fusion" "$SAVE/$NAME-fusion/hf" --overwrite
+  # --start: the source may lie outside <save_root>, and an export follows a run's recorded start only inside it
+  $DHA_TRAIN export "$SAVE/$NAME-fusion" "$SAVE/$NAME-fusion/hf" --overwrite --start "$MODEL"
 fi
 
 if [[ -f "$SAVE/$NAME-ct/hf/config.json" ]]; then

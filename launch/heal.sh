@@ -46,7 +46,7 @@ stage() {
     $COMPOSER_CMD -n "$NPROC" -m dha_train.train "$recipe" \
       variables.model_path="$model" variables.source_path="$SOURCE" variables.data_root="$DATA" \
       variables.save_root="$SAVE" run_name="$NAME-$name" "${OVERRIDES[@]}"
-    $DHA export "$SAVE/$NAME-$name" "$out"
+    $DHA export "$SAVE/$NAME-$name" "$out" --start "$model"  # the start may lie outside $SAVE (a converted folder)
   fi
   LAST=$out
 }

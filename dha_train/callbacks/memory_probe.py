@@ -28,6 +28,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
+from dha_train.paths import write_file_atomically
 
 
 def _proc_status_bytes(field: str) -> int | None:
@@ -82,7 +83,7 @@ class MemoryProbe(Callback):
                   'sync_module_states': bool(state.fsdp_config is not None and state.fsdp_config.sync_module_states)}
         folder = Path(self.out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f'rank{rank}.json').write_text(json.dumps(result, indent=2))
+        write_file_atomically(folder / f'rank{rank}.json', json.dumps(result, indent=2))
 
 
 registry.callbacks.register('memory_probe', MemoryProbe)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from composer.core import Callback, State
@@ -12,6 +11,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from dha_train import registry
+from dha_train.paths import write_file_atomically
 
 
 class ThroughputProbe(Callback):
@@ -38,7 +38,7 @@ class ThroughputProbe(Callback):
         tokens = self._end[1] - self._start[1]
         result = {'tokens_per_sec': tokens / seconds, 'timed_batches': self._end[2] - self._start[2],
                   'seconds': seconds, 'world_size': dist.get_world_size()}
-        Path(self.out).write_text(json.dumps(result))
+        write_file_atomically(self.out, json.dumps(result))
 
 
 registry.callbacks.register('throughput_probe', ThroughputProbe)

@@ -13,11 +13,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--tokenizer', default=None, help='tokenizer folder to ship instead of the checkpoint one')
     parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     parser.add_argument('--overwrite', action='store_true')
+    parser.add_argument('--start', default=None, help="the model folder the run started from, whose card (stages, "
+                        "base model, licence) the export's card continues; default: the one the run recorded, when "
+                        'it lies beside the save folder')
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out = export_hf(args.checkpoint, args.out_dir, tokenizer=args.tokenizer, dtype=args.dtype,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, start=args.start)
     print(f'dha-train export: wrote {out}')
     return 0
