@@ -21,6 +21,7 @@ from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap
 from dha_train.paths import check_writable, refuse_nonempty, staged_folder
 from dha_train.tokenizer_files import load_tokenizer_folder
 from dha_train.untrusted import UntrustedDataError, config_from_dict, write_tokenizer_entries
+from dha_train.weight_sizes import check_parameter_budget
 
 
 def _hf_parts(state: dict, checkpoint: Path):
@@ -94,6 +95,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, tokenizer: str | P
         config, weights = export_model(config, model_weights(state))
     except MethodError as exc:
         raise CheckpointError(f'{path}: {exc}') from exc
+    # the model is built at the config's size: no larger than the weights the checkpoint holds for it
+    check_parameter_budget(config, sum(weight.numel() * weight.element_size() for weight in weights.values()),
+                           f'{path} (its Hugging Face config)')
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
