@@ -13,6 +13,7 @@ from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.domains import DOMAINS
 from dha_train.data.integrity import AUTO, verify_data
 from dha_train.data.prep import SPLITS, default_workers, prep_redpajama
+from dha_train.data.redpajama import MAX_LINE_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +76,11 @@ def add_prep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help='processes, one input file each at a time (default: %(default)s)')
     parser.add_argument('--overwrite', action='store_true', help='replace a non-empty --out')
     parser.add_argument('--skip-bad-lines', action='store_true',
-                        help='skip malformed JSON lines (counted in the manifest) instead of stopping')
+                        help='skip bad lines (malformed JSON, or longer than --max-line-bytes; counted in the '
+                             'manifest) instead of stopping')
+    parser.add_argument('--max-line-bytes', type=int, default=MAX_LINE_BYTES, metavar='BYTES',
+                        help='longest input line (one document) read; a longer one is a bad line, and no more than '
+                             'this is ever held in memory (default: %(default)s, 64 MiB)')
     parser.add_argument('--domain', choices=DOMAINS, help='force this domain for every input file')
     parser.add_argument('--compression', choices=('none', 'zstd'), default='none',
                         help='MDS shard compression (default: %(default)s)')
@@ -87,7 +92,7 @@ def run_prep_from_args(args: argparse.Namespace) -> dict[str, Any]:
     manifest = prep_redpajama(
         args.input, args.out, args.tokenizer, args.seq_len, val_tokens=args.val_tokens, workers=args.workers,
         overwrite=args.overwrite, skip_bad_lines=args.skip_bad_lines, domain=args.domain,
-        compression=None if args.compression == 'none' else args.compression,
+        compression=None if args.compression == 'none' else args.compression, max_line_bytes=args.max_line_bytes,
     )
     print(f'wrote {args.out} (seq_len {manifest["seq_len"]}, {manifest["token_dtype"]} tokens)')
     for name, entry in manifest['domains'].items():

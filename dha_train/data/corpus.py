@@ -15,7 +15,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from dha_train.data.prep import is_jsonl, iter_texts
+from dha_train.data.redpajama import is_jsonl, iter_texts
 
 CODE_DOMAIN, PROSE_DOMAIN = 'github', 'wikipedia'
 DEFAULT_MAX_BYTES_PER_DOMAIN = 4_000_000

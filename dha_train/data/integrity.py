@@ -6,23 +6,32 @@ folder are never checked, and a mismatch found while downloading stops streaming
 epoch early and leaves the message in a logged traceback. So the loaders check local splits here, with streaming's
 own index parser and hash functions, before any process trains: the ranks of a node share the files, and every rank
 gets the same one-line error naming the bad file. ``dha-train data verify`` runs the same check on a whole data folder.
+
+Every file name an index gives passes ``untrusted.plain_name`` first (``index_shards``, the one reader of an index
+here): streaming joins those names to the split folder to read, to decompress into and to download to, so a name
+with ``..``, an absolute one, or a link in the folder leading out would let a data folder write or read any file.
+A remote split's index is downloaded by the project (``fetch_index``) and checked before streaming sees it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from composer.utils import dist
 from streaming.base.format import reader_from_json
-from streaming.base.format.base.reader import FileInfo
+from streaming.base.format.base.reader import FileInfo, Reader
 from streaming.base.hashing import get_hash, get_hashes
+from streaming.base.storage import CloudDownloader
+from streaming.base.util import retry
 
 from dha_train.config import ConfigError
 from dha_train.data.prep import SHARD_HASH
-from dha_train.errors import DhaTrainError
+from dha_train.errors import DhaTrainError, InputNotFoundError
+from dha_train.untrusted import plain_name
 
 AUTO = 'auto'
 INDEX = 'index.json'
@@ -51,6 +60,61 @@ def _algorithm(recorded: dict[str, str], validate_hash: str, index: Path, where:
     return validate_hash
 
 
+def index_shards(local: str | Path, where: str, index: str | Path | None = None,
+                 source: str | None = None) -> list[Reader]:
+    """The shard readers of the split in ``local``, parsed from its index.json (``index``: a copy of it not yet in
+    place, one just downloaded from ``source``) by streaming's own parser, once every file name the index gives (the
+    raw and zip file of every file pair of every shard, whatever its format) has passed ``plain_name`` inside
+    ``local``. Subfolders are allowed: the merged indexes data prep writes name ``<NNNNN>-<stem>/shard.00000.mds``.
+    Nothing is opened but the index."""
+    local = Path(local)
+    index = Path(index) if index is not None else local / INDEX
+    source = source or str(index)
+    try:
+        obj = json.loads(index.read_text())
+        if obj.get('version') != 2:  # streaming reads only version 2 (and only asserts it per shard)
+            raise ValueError(f"version {obj.get('version')!r}, not 2")
+        readers = [reader_from_json(str(local), None, shard) for shard in obj['shards']]
+    except FileNotFoundError as exc:
+        raise CorruptShardError(f'{where}: no MDS index at {source}') from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as exc:
+        raise CorruptShardError(f'{where}: {source} is not a readable MDS index ({type(exc).__name__}: {exc})') from exc
+    for reader in readers:
+        for info in (info for pair in reader.file_pairs for info in pair if info is not None):
+            plain_name(info.basename, f'{where}: {source}', 'shard file', folder=local, subfolders=True)
+    return readers
+
+
+def fetch_index(local: str | Path, remote: str, where: str, *, timeout: float, attempts: int) -> None:
+    """Bring a remote split's index.json into ``local`` as streaming would (its downloader, by the local leader of
+    each node), but checked by ``index_shards`` before it is moved into place: streaming then finds it and downloads
+    no index of its own, so no shard is fetched, read or written on the word of an unchecked index. An index already
+    in ``local`` (an earlier run's cache) is left for the caller's ``index_shards``. Every rank raises the same error.
+    """
+    local = Path(local)
+    failure: DhaTrainError | None = None
+    if dist.get_local_rank() == 0 and not (local / INDEX).exists():
+        source = os.path.join(remote, INDEX)  # where streaming's Stream._download_file would fetch it from
+        partial = local / f'{INDEX}.tmp-{os.getpid()}'
+        try:
+            downloader = CloudDownloader.get(remote)
+            partial.unlink(missing_ok=True)
+            retry(clean_up_fn=downloader.clean_up, num_attempts=attempts)(
+                lambda: downloader.download(source, str(partial), timeout))()
+            index_shards(local, where, index=partial, source=source)
+            os.replace(partial, local / INDEX)
+        except DhaTrainError as exc:
+            failure = exc
+        except Exception as exc:  # streaming's downloaders raise their clients' errors (botocore, OSError, ...)
+            failure = InputNotFoundError(f'{where}: cannot download {source} into {local} '
+                                         f'({type(exc).__name__}: {exc})')
+        finally:
+            partial.unlink(missing_ok=True)
+    failures = [found for found in dist.all_gather_object(failure) if found is not None]
+    if failures:
+        raise failures[0]
+
+
 def split_files(label: str, local: str | Path, validate_hash: str | None, where: str) -> list[ShardFile]:
     """The shard files of the MDS split in ``local`` (raw, and zip if compressed) that are on disk, to be checked.
 
@@ -58,15 +122,8 @@ def split_files(label: str, local: str | Path, validate_hash: str | None, where:
     """
     local = Path(local)
     index = local / INDEX
-    try:
-        shards = json.loads(index.read_text())['shards']
-    except FileNotFoundError as exc:
-        raise CorruptShardError(f'{where}: no MDS index at {index}') from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptShardError(f'{where}: {index} is not a readable MDS index ({type(exc).__name__}: {exc})') from exc
     files = []
-    for shard in shards:
-        reader = reader_from_json(str(local), None, shard)
+    for reader in index_shards(local, where):
         for raw, zipped in reader.file_pairs:
             present = [info for info in (raw, zipped) if info is not None and (local / info.basename).is_file()]
             for info in present or [raw]:
@@ -107,15 +164,25 @@ def check_files(files: Sequence[ShardFile], where: str) -> None:
         raise CorruptShardError(f'{where}: {problems[0]}{more}; copy the data again or re-run `dha-train data prep`')
 
 
-def check_splits(splits: Iterable[tuple[str, str | Path]], validate_hash: str | None, where: str) -> int:
-    """Check the local MDS splits ``(label, folder)`` against their index.json; returns how many files were checked.
+def check_splits(splits: Iterable[tuple[str, str | Path, str | None]], validate_hash: str | None, where: str, *,
+                 timeout: float = 60.0, attempts: int = 2) -> int:
+    """Check the MDS splits ``(label, local folder, remote or None)`` before any streaming dataset exists; returns how
+    many shard files were checked against their index.json.
 
-    ``validate_hash``: 'auto' (the hash each file records, ``SHARD_HASH`` first; sizes only where none is recorded),
-    an algorithm every file must record, or None (no check at all).
+    Every split's index names only files inside its folder (``index_shards``; a remote's index is downloaded and
+    checked first, ``fetch_index`` with streaming's ``timeout`` and ``attempts``), whatever ``validate_hash`` says.
+    The shard files of splits read in place are then checked: ``validate_hash`` 'auto' (the hash each file records,
+    ``SHARD_HASH`` first; sizes only where none is recorded), an algorithm every file must record, or None (none).
     """
+    splits = list(splits)
+    for _, local, remote in splits:
+        if remote is not None:
+            fetch_index(local, remote, where, timeout=timeout, attempts=attempts)
+        index_shards(local, where)
     if validate_hash is None:
         return 0
-    files = [file for label, local in splits for file in split_files(label, local, validate_hash, where)]
+    files = [file for label, local, remote in splits if remote is None
+             for file in split_files(label, local, validate_hash, where)]
     check_files(files, where)
     return len(files)
 

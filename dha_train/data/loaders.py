@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from streaming.base.shared.memory import SharedMemory
 
 from dha_train.config import ConfigError, EvalLoaderConfig, TrainLoaderConfig
 from dha_train.data.domains import DOMAINS, REDPAJAMA_PROPORTIONS
-from dha_train.data.integrity import check_splits, streaming_hash
+from dha_train.data.integrity import check_splits, index_shards, streaming_hash
 from dha_train.data.prep import MANIFEST_NAME, TOKENS_COLUMN, read_manifest
 from dha_train.data.tokenizer import tokenizer_fingerprint
 
@@ -120,9 +119,10 @@ def build_train_dataloader(cfg: TrainLoaderConfig, *, device_batch_size: int, se
     """A ``StreamingDataLoader`` over the domain mixture. Its state dict makes mid-epoch resume exact."""
 
     streams = _stream_kwargs(cfg)
-    # Local splits are checked here; a remote's shards by streaming, as it downloads them.
-    check_splits([(f"domain {s['domain']}", s['local']) for s in streams if s['remote'] is None], cfg.validate_hash,
-                 where='train_loader')
+    # Every index's names are checked here (a remote's index downloaded first), and local shard files; a remote's
+    # shards by streaming, as it downloads them.
+    check_splits([(f"domain {s['domain']}", s['local'], s['remote']) for s in streams], cfg.validate_hash,
+                 where='train_loader', timeout=cfg.download_timeout, attempts=download_retry)
     total = sum(s['proportion'] for s in streams)
     dataset = StreamingDataset(
         streams=[Stream(local=s['local'], remote=s['remote'], proportion=s['proportion'] / total,
@@ -172,7 +172,7 @@ def build_evaluators(cfg: EvalLoaderConfig, *, device_batch_size: int, metric_na
         if remote is None and not (local / 'index.json').is_file():
             raise ConfigError(f"eval_loader.domains: '{domain}' has no MDS index at '{local}/index.json'")
         locations[domain] = local, remote
-    check_splits([(f'domain {domain}', local) for domain, (local, remote) in locations.items() if remote is None],
+    check_splits([(f'domain {domain}', local, remote) for domain, (local, remote) in locations.items()],
                  cfg.validate_hash, where='eval_loader')
     evaluators = []
     for domain, (local, remote) in locations.items():
@@ -223,14 +223,11 @@ def closing_batches(loader, before: set[int]):
 def split_sequences(root: str | Path, domain: str, split: str) -> list[np.ndarray]:
     """Every packed sample of one domain's split, in shard order, read straight from its MDS shards (no streaming
     dataset, no shared memory): for scoring fixed text outside a training loop (``bench serve``'s held-out loss)."""
-    from streaming.base.format import reader_from_json
-
     local = _split_dir(str(root), domain, split)
     index = local / 'index.json'
     if not index.is_file():
         raise FileNotFoundError(f'no MDS split at {local} (expected {index})')
     sequences = []
-    for shard in json.loads(index.read_text())['shards']:
-        reader = reader_from_json(str(local.parent), split, shard)
+    for reader in index_shards(local, f'the {domain} {split} split'):
         sequences.extend(np.asarray(reader.get_item(i)[TOKENS_COLUMN]) for i in range(reader.samples))
     return sequences

@@ -14,8 +14,6 @@ is cut into samples of exactly ``seq_len`` tokens, and the final partial buffer 
 from __future__ import annotations
 
 import contextlib
-import gzip
-import io
 import json
 import logging
 import math
@@ -28,21 +26,19 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
-import zstandard
 from streaming import MDSWriter
 from streaming.base.util import merge_index
 from tqdm import tqdm
 
-from dha_train.data.domains import DOMAINS, domain_of
+from dha_train.data.redpajama import MAX_LINE_BYTES, SUFFIXES, DataPrepError, InputFile, collect_inputs, iter_texts
 from dha_train.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from dha_train.errors import DhaTrainError, InputNotFoundError, disk_error
+from dha_train.errors import InputNotFoundError, disk_error
 from dha_train.paths import check_writable, replace_folder
 
 SPLITS = ('train', 'val')
-SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
 TOKENS_COLUMN = 'tokens'
 MANIFEST_NAME = 'manifest.json'
 MANIFEST_VERSION = 1
@@ -58,10 +54,6 @@ _BATCH_CHARS = 4 << 20
 _QUOTED_BAD_LINES = 5
 
 
-class DataPrepError(DhaTrainError, ValueError):
-    """Bad input to data prep: the message names the file (and line) or option at fault."""
-
-
 def default_workers() -> int:
     return min(8, os.cpu_count() or 1)
 
@@ -72,67 +64,8 @@ def token_dtype_for(vocab_size: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading RedPajama JSONL
+# Packing one file (runs in a worker process)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def is_jsonl(path: Path) -> bool:
-    return path.name.endswith(SUFFIXES)
-
-
-def _open_binary_lines(path: Path, stack: contextlib.ExitStack) -> IO[bytes]:
-    """A binary, line-iterable stream over the decompressed file.
-
-    Lines are decoded one at a time (by ``json.loads``), so a bad byte is reported with its line number.
-    """
-    raw = stack.enter_context(open(path, 'rb'))
-    if path.name.endswith('.gz'):
-        return stack.enter_context(gzip.GzipFile(fileobj=raw))
-    if path.name.endswith('.zst'):
-        # RedPajama's .zst files may hold several frames (the tests write two); never stop at a frame boundary.
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return stack.enter_context(io.BufferedReader(reader))
-    return raw
-
-
-def _text_of(line: bytes) -> str:
-    """The ``text`` field of one JSONL line; ValueError says why the line is unusable."""
-    try:
-        record = json.loads(line)
-    except UnicodeDecodeError as exc:  # JSON is UTF-8 text (json.loads also takes UTF-16/32 with their BOM or NULs)
-        raise ValueError(f'line is not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1}: '
-                         f'{exc.reason})') from None
-    except ValueError as exc:  # JSONDecodeError
-        raise ValueError(f'malformed JSON line ({exc})') from None
-    if not isinstance(record, dict) or not isinstance(record.get('text'), str):
-        raise ValueError('line has no string "text" field')
-    return record['text']
-
-
-def iter_texts(path: str | Path, skip_bad_lines: bool = False, bad_lines: list[int] | None = None) -> Iterator[str]:
-    """Yield the documents' texts of one RedPajama JSONL file in file order.
-
-    Blank lines are ignored. A malformed line raises DataPrepError naming ``path:line``; with ``skip_bad_lines`` it is
-    skipped instead and its 1-based line number appended to ``bad_lines``.
-    """
-    path = Path(path)
-    with contextlib.ExitStack() as stack:
-        try:
-            lines = _open_binary_lines(path, stack)
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    text = _text_of(line)
-                except ValueError as exc:
-                    if not skip_bad_lines:
-                        raise DataPrepError(f'{path}:{line_number}: {exc}; pass --skip-bad-lines to skip such lines') from exc
-                    if bad_lines is not None:
-                        bad_lines.append(line_number)
-                    continue
-                yield text
-        except (OSError, EOFError, zstandard.ZstdError) as exc:  # truncated or corrupt archives: name the file
-            raise DataPrepError(f'{path}: cannot read the file ({type(exc).__name__}: {exc})') from exc
 
 
 def _batches(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -148,65 +81,6 @@ def _batches(texts: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Finding inputs and their domains
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class InputFile:
-    index: int  # position in the sorted input list; names the MDS sub-folder so merged indexes keep this order
-    path: Path
-    domain: str
-
-
-def collect_inputs(inputs: Iterable[str | Path], domain: str | None = None) -> list[InputFile]:
-    """Every input file, sorted by path, each with its domain. Fails before any tokenizing on an unknown domain."""
-    # file -> the folder above which domain_of looks no further. For a folder input that is its parent, so
-    # `--input .../book` means book; for a file input, its grandparent, so only its own folder and name count.
-    # Paths are absolute, not resolved: hub caches symlink files to blobs named by hash.
-    inputs = list(inputs)
-    found: dict[Path, Path] = {}
-    for item in inputs:
-        item = Path(item).absolute()
-        if item.is_dir():
-            for path in sorted(p for p in item.rglob('*') if p.is_file() and is_jsonl(p)):
-                found.setdefault(path, item.parent)
-        elif item.is_file():
-            if not is_jsonl(item):
-                raise DataPrepError(f'input {item} is not a RedPajama file (expected one of {", ".join(SUFFIXES)})')
-            found.setdefault(item, item.parent.parent)
-        else:
-            raise DataPrepError(f'input not found: {item}')
-    if not found:
-        listed = ', '.join(str(i) for i in inputs) or '(none given)'
-        raise DataPrepError(f'no {"/".join(SUFFIXES)} files found in: {listed}')
-    if domain is not None and domain not in DOMAINS:
-        raise DataPrepError(f'unknown --domain {domain!r}; valid domains: {", ".join(DOMAINS)}')
-
-    files: list[InputFile] = []
-    unknown: list[Path] = []
-    for index, path in enumerate(sorted(found)):
-        file_domain = domain or domain_of(path, found[path])
-        if file_domain is None:
-            unknown.append(path)
-        else:
-            files.append(InputFile(index, path, file_domain))
-    if unknown:
-        shown = '\n  '.join(str(p) for p in unknown[:10])
-        if len(unknown) > 10:
-            shown += f'\n  ... and {len(unknown) - 10} more'
-        raise DataPrepError(
-            f'cannot tell the domain of {len(unknown)} input file(s):\n  {shown}\n'
-            f'Put each file under a folder named after its domain or start its name with "<domain>_" / "<domain>-", '
-            f'or force one with --domain. Valid domains: {", ".join(DOMAINS)}'
-        )
-    return files
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Packing one file (runs in a worker process)
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -218,6 +92,7 @@ class FileJob:
     token_dtype: str
     compression: str | None
     skip_bad_lines: bool
+    max_line_bytes: int = MAX_LINE_BYTES
 
     @property
     def subfolder(self) -> str:
@@ -281,7 +156,7 @@ def _pack_file(job: FileJob) -> FileResult:
                 )
             return writers[split]
 
-        texts = iter_texts(job.file.path, job.skip_bad_lines, bad_lines)
+        texts = iter_texts(job.file.path, job.skip_bad_lines, bad_lines, job.max_line_bytes)
         for batch in _batches(texts):
             # split_special_tokens: a literal "<s>" in a web page is text, not a document boundary.
             encoded = tokenizer(batch, add_special_tokens=False, split_special_tokens=True,
@@ -476,13 +351,15 @@ def prep_redpajama(
     domain: str | None = None,
     progress: bool = True,
     compression: str | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> dict[str, Any]:
     """Tokenize and pack RedPajama JSONL files into MDS shards per domain and split; returns the manifest.
 
     ``inputs`` are folders (searched recursively) and/or files. The domain of each file comes from its folder or
     file-name prefix (see ``domain_of``) unless ``domain`` forces one. Per domain, the first ``ceil(val_tokens /
     seq_len)`` samples of the domain's first file (sorted by path) form the val split. ``compression`` is an MDS
-    compression name such as ``'zstd'``, or None. ``workers`` defaults to ``min(8, cpu count)``.
+    compression name such as ``'zstd'``, or None. ``workers`` defaults to ``min(8, cpu count)``. A line longer than
+    ``max_line_bytes`` is a bad line (``redpajama.iter_texts``).
     """
     inputs = list(inputs)
     out, tokenizer_path = Path(out).resolve(), Path(tokenizer)
@@ -493,6 +370,8 @@ def prep_redpajama(
         raise DataPrepError(f'--val-tokens must be >= 0, got {val_tokens}')
     if workers < 1:
         raise DataPrepError(f'--workers must be at least 1, got {workers}')
+    if max_line_bytes < 1:
+        raise DataPrepError(f'--max-line-bytes must be at least 1, got {max_line_bytes}')
 
     files = collect_inputs(inputs, domain)
     _check_out(out, overwrite, files, tokenizer_path)
@@ -504,7 +383,8 @@ def prep_redpajama(
     firsts = {f.domain: f for f in reversed(files)}  # files are sorted, so this keeps each domain's first file
     jobs = [
         FileJob(file=f, out_root=str(tmp), seq_len=seq_len, token_dtype=token_dtype, compression=compression,
-                val_samples=val_samples if firsts[f.domain] is f else 0, skip_bad_lines=skip_bad_lines)
+                val_samples=val_samples if firsts[f.domain] is f else 0, skip_bad_lines=skip_bad_lines,
+                max_line_bytes=max_line_bytes)
         for f in files
     ]
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run whose process id this one reuses
