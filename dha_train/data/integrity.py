@@ -106,8 +106,9 @@ def fetch_index(local: str | Path, remote: str, where: str, *, timeout: float, a
         except DhaTrainError as exc:
             failure = exc
         except Exception as exc:  # streaming's downloaders raise their clients' errors (botocore, OSError, ...)
+            reason = (str(exc).strip().splitlines() or [''])[0][:300]  # its first line: the refusal is one line
             failure = InputNotFoundError(f'{where}: cannot download {source} into {local} '
-                                         f'({type(exc).__name__}: {exc})')
+                                         f'({type(exc).__name__}: {reason})')
         finally:
             partial.unlink(missing_ok=True)
     failures = [found for found in dist.all_gather_object(failure) if found is not None]
