@@ -19,19 +19,17 @@ and asks "run the custom code? [y/N]" on stdin. So ``load_tokenizer_folder``:
 
 ``load_gguf_tokenizer`` does the same for a GGUF's own tokenizer: the fresh folder holds only a link to the one file
 (``gguf_alone``, which ``import-gguf`` also loads the weights through), so no ``tokenizer_config.json``,
-``config.json``, ``generation_config.json`` or ``.py`` beside the GGUF is read. The copy lives as long as the
-tokenizer object (a slow tokenizer's ``save_pretrained`` copies its vocabulary file from it); its ``name_or_path``
-is the folder or file the user named.
+``config.json``, ``generation_config.json`` or ``.py`` beside the GGUF is read. The copy is removed once the tokenizer
+is built: the paths a tokenizer keeps (a slow tokenizer's ``vocab_file``, which ``save_pretrained`` copies) name the
+checked files of the folder itself, and ``name_or_path`` is the folder or file the user named.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import tempfile
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -149,26 +147,28 @@ def _copy_tokenizer_files(folder: Path, copy: Path, where: str) -> None:
         (copy / name).write_bytes(data)
 
 
-def _remove_in_owner(folder: str, owner: int) -> None:
-    if os.getpid() == owner:  # a forked worker's copy of the tokenizer leaves its parent's folder alone
-        shutil.rmtree(folder, ignore_errors=True)
+@contextmanager
+def _own_folder(prefix: str) -> Iterator[Path]:
+    """A fresh temporary folder of the project's own, removed after (the tokenizer keeps no path into it)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield Path(folder)
 
 
-def _load_from_own_folder(copy: Path, name_or_path: Path, config: PretrainedConfig | None, **extra: Any):
-    """AutoTokenizer on ``copy``, the project's own fresh folder, which lives as long as the tokenizer; removed if
-    the load fails."""
-    try:
-        if config is not None:
-            extra['config'] = config
-        tokenizer = AutoTokenizer.from_pretrained(str(copy), local_files_only=True, trust_remote_code=False, **extra)
-    except BaseException:
-        shutil.rmtree(copy, ignore_errors=True)
-        raise
+def _load_from_own_folder(copy: Path, source: Path | None, name_or_path: Path, config: PretrainedConfig | None,
+                          **extra: Any):
+    """AutoTokenizer on ``copy``, the project's own folder. A path the tokenizer keeps into it (a slow tokenizer's
+    ``vocab_file``, which ``save_pretrained`` copies) names the same base name in ``source``, the folder whose checked
+    file was copied (None: nothing), so that the copy can go at once."""
+    if config is not None:
+        extra['config'] = config
+    tokenizer = AutoTokenizer.from_pretrained(str(copy), local_files_only=True, trust_remote_code=False, **extra)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        shutil.rmtree(copy, ignore_errors=True)
         raise UntrustedDataError(f'{name_or_path}: loaded as a {type(tokenizer).__name__}, not a tokenizer')
-    tokenizer.name_or_path = str(name_or_path)
-    weakref.finalize(tokenizer, _remove_in_owner, str(copy), os.getpid())
+    for holder in (vars(tokenizer), tokenizer.init_kwargs):
+        for key, value in list(holder.items()):
+            if isinstance(value, str) and os.path.dirname(value) == str(copy):
+                holder[key] = None if source is None else str(source / os.path.basename(value))
+    tokenizer.name_or_path = tokenizer.init_kwargs['name_or_path'] = str(name_or_path)
     return tokenizer
 
 
@@ -177,13 +177,9 @@ def load_tokenizer_folder(folder: str | Path, where: str, config: PretrainedConf
     ``config``: the folder's model config, already built safely (``untrusted.config_from_dict``)."""
     folder = Path(folder)
     model_config = _model_config(folder, where, config)
-    copy = Path(tempfile.mkdtemp(prefix='dha-tokenizer-'))
-    try:
+    with _own_folder('dha-tokenizer-') as copy:
         _copy_tokenizer_files(folder, copy, where)
-    except BaseException:
-        shutil.rmtree(copy, ignore_errors=True)
-        raise
-    return _load_from_own_folder(copy, folder, model_config)
+        return _load_from_own_folder(copy, folder, folder, model_config)
 
 
 def _link_alone(path: Path, folder: Path) -> Path:
@@ -197,16 +193,12 @@ def gguf_alone(path: str | Path) -> Iterator[Path]:
     """A link to the GGUF ``path``, alone in a fresh folder (removed after): what transformers' GGUF loader is given,
     so that nothing beside the file (a ``config.json``, ``tokenizer_config.json``, ``adapter_config.json``, code) is
     read. Pass the link itself, absolute, as ``gguf_file``."""
-    with tempfile.TemporaryDirectory(prefix='dha-gguf-') as folder:
-        yield _link_alone(Path(path), Path(folder))
+    with _own_folder('dha-gguf-') as folder:
+        yield _link_alone(Path(path), folder)
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """The GGUF ``path``'s own tokenizer, from a fresh folder holding only a link to the file."""
-    folder = Path(tempfile.mkdtemp(prefix='dha-gguf-tokenizer-'))
-    try:
-        link = _link_alone(Path(path), folder)
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return _load_from_own_folder(folder, Path(path), None, gguf_file=str(link))
+    """The GGUF ``path``'s own tokenizer, loaded through ``gguf_alone``. It keeps no path to the file (transformers
+    would name the GGUF itself as a slow tokenizer's vocabulary file, and save it as ``tokenizer.model``)."""
+    with gguf_alone(path) as link:
+        return _load_from_own_folder(link.parent, None, Path(path), None, gguf_file=str(link))

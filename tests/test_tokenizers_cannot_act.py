@@ -12,7 +12,6 @@ Temporary folders are made under the test's own folder, so a copy left behind sh
 from __future__ import annotations
 
 import builtins
-import gc
 import json
 import os
 import subprocess
@@ -166,6 +165,21 @@ def test_a_checkpoint_whose_tokenizer_falls_back_to_auto_processor_is_refused(tm
     assert prompts == []
 
 
+@pytest.mark.parametrize('file', ['config.json', 'tokenizer_config.json'])
+def test_a_processor_class_outside_transformers_is_refused(file, tmp_path, capfd, tokenizer_dir):
+    """AutoProcessor (and any class of the folder's own) as processor_class, in either config: one line."""
+    folder = tmp_path / 'tokenizer'
+    folder.mkdir()
+    for name in ('tokenizer.json', 'tokenizer_config.json'):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    fields = json.loads((folder / file).read_text()) if (folder / file).is_file() else {'model_type': 'llama'}
+    (folder / file).write_text(json.dumps({**fields, 'processor_class': 'AutoProcessor'}))
+    raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=5)
+    line = refused_in_one_line(['data', 'prep', '--input', str(raw), '--out', str(tmp_path / 'out'), '--tokenizer',
+                                str(folder), '--seq-len', '64', '--workers', '1'], tmp_path, capfd)
+    assert f"{folder / file} names processor_class 'AutoProcessor', which is not a processor class" in line, line
+
+
 def test_import_gguf_reads_nothing_beside_the_gguf(tmp_path, prompts, tokenizer_dir):
     """A tiny GGUF from export-gguf, in a folder that also holds a tokenizer_config.json naming AutoProcessor with an
     auto_map to evil.py, and a config.json naming it too: the import is the GGUF's alone."""
@@ -229,8 +243,7 @@ def test_export_never_reads_a_file_its_checkpoint_tokenizer_names(form, tmp_path
     assert load_tokenizer(out).get_vocab() == expected
     written = json.loads((out / 'tokenizer_config.json').read_text())
     assert not [key for key in written if key.endswith('_file')], written
-    gc.collect()
-    assert list(own_temporary_folders.iterdir()) == []  # the tokenizer copies went with their tokenizers
+    assert list(own_temporary_folders.iterdir()) == []  # no tokenizer copy left behind
 
 
 def test_convert_never_reads_a_file_its_tokenizer_config_names(tmp_path, own_temporary_folders, tokenizer_dir):
@@ -244,7 +257,6 @@ def test_convert_never_reads_a_file_its_tokenizer_config_names(tmp_path, own_tem
     assert main(['convert', str(folder), str(out), '--kv-heads', '2']) == 0
     assert _holding_marker(out) == []
     assert load_tokenizer(out).get_vocab() == load_tokenizer(tokenizer_dir).get_vocab()
-    gc.collect()
     assert list(own_temporary_folders.iterdir()) == []
 
 
