@@ -55,50 +55,54 @@ WEIGHT_FILES = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_mo
 SAFETENSORS_INDEX = 'model.safetensors.index.json'
 
 
-def _shard_map(folder: Path, index_name: str, where: str) -> dict[str, str]:
+def _at(who: str | None, path: Path) -> str:
+    """How a refusal names ``path``: after the command (``who``) when there is one."""
+    return f'{who}: {path}' if who else str(path)
+
+
+def _shard_map(folder: Path, index_name: str, who: str | None) -> dict[str, str]:
     """An index's ``weight_map`` (weight name -> shard file), every shard a plain name inside ``folder``
     (``plain_name``), refused in one line otherwise; no shard is opened."""
-    index_file = folder / plain_name(index_name, where, 'a shard index', folder=folder)
+    index_file = folder / plain_name(index_name, _at(who, folder), 'a shard index', folder=folder)
     try:
         index = json.loads(index_file.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ModelFolderError(f'{where}: {index_file} is not a readable shard index ({exc})') from exc
+        raise ModelFolderError(f'{_at(who, index_file)} is not a readable shard index ({exc})') from exc
     weight_map = index.get('weight_map') if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ModelFolderError(f'{where}: {index_file} is not a shard index (no weight_map object of weight names '
+        raise ModelFolderError(f'{_at(who, index_file)} is not a shard index (no weight_map object of weight names '
                                'and shard files)')
     for name, shard in weight_map.items():
-        plain_name(shard, f'{where}: {index_file}: weight {name!r:.80}', 'a weight shard', folder=folder)
+        plain_name(shard, f'{_at(who, index_file)}: weight {name!r:.80}', 'a weight shard', folder=folder)
     return weight_map
 
 
-def weight_files(folder: str | Path, where: str | None = None) -> list[str]:
+def weight_files(folder: str | Path, who: str | None = None) -> list[str]:
     """The files a folder's weights are read from, as transformers picks them (``WEIGHT_FILES``' order): the shards of
     an index, or the single file, each a plain name inside the folder (``_shard_map``, ``plain_name``); [] when it has
-    none. The one reader of a folder's weight files: ``where`` names the folder in a refusal."""
+    none. The one reader of a folder's weight files; ``who`` (the command) heads a refusal."""
     folder = Path(folder)
-    where = where or str(folder)
     for name in WEIGHT_FILES:
         if (folder / name).is_file():
             if name.endswith('.index.json'):
-                return sorted(set(_shard_map(folder, name, where).values()))
-            return [plain_name(name, where, 'a weight file', folder=folder)]
+                return sorted(set(_shard_map(folder, name, who).values()))
+            return [plain_name(name, _at(who, folder), 'a weight file', folder=folder)]
     return []
 
 
-def safetensors_shards(folder: str | Path, where: str | None = None) -> dict[str, str] | None:
+def safetensors_shards(folder: str | Path, who: str | None = None) -> dict[str, str] | None:
     """A sharded safetensors folder's index (weight name -> shard file, every name checked by ``_shard_map``), or
     None when the weights are one file."""
     folder = Path(folder)
     if (folder / 'model.safetensors').is_file() or not (folder / SAFETENSORS_INDEX).is_file():
         return None
-    return _shard_map(folder, SAFETENSORS_INDEX, where or str(folder))
+    return _shard_map(folder, SAFETENSORS_INDEX, who)
 
 
-def safetensors_files(folder: str | Path, where: str | None = None) -> list[str]:
+def safetensors_files(folder: str | Path, who: str | None = None) -> list[str]:
     """The safetensors files holding a folder's weights (``weight_files``), else ``['model.safetensors']`` (which the
     caller finds missing)."""
-    files = weight_files(folder, where)
+    files = weight_files(folder, who)
     return files if files and all(name.endswith('.safetensors') for name in files) else ['model.safetensors']
 
 
@@ -274,7 +278,7 @@ def _checked_folder(folder: Path, who: str, model_types: tuple[str, ...]) -> tup
                                f'{" or ".join(_SINGLE_FILES)}, or a shard index)')
     for name in present:  # each file or index transformers may read, not only the one it prefers
         if name.endswith('.index.json'):
-            files = sorted(set(_shard_map(folder, name, where).values()))
+            files = sorted(set(_shard_map(folder, name, who).values()))
         else:
             files = [plain_name(name, where, 'a weight file', folder=folder)]
         missing = [shard for shard in files if not (folder / shard).is_file()]
@@ -284,7 +288,7 @@ def _checked_folder(folder: Path, who: str, model_types: tuple[str, ...]) -> tup
         for file in files:
             if file.endswith('.safetensors'):
                 _check_safetensors(folder / file, where)
-    return config, sum((folder / name).stat().st_size for name in weight_files(folder, where))
+    return config, sum((folder / name).stat().st_size for name in weight_files(folder, who))
 
 
 def check_model_folder(folder: str | Path, *, who: str, model_types: tuple[str, ...] = LLAMA_MODEL_TYPES) -> dict:

@@ -93,6 +93,8 @@ def test_weights_outside_the_folder_are_never_read(form, tiny, tmp_path, tokeniz
         (model / 'model.safetensors').symlink_to(secret)
         expected = "a weight file 'model.safetensors' leads out of"
     elif form == 'bin index':  # transformers falls back to a .bin index when no safetensors are there
+        secret = private / 'pytorch_model.bin'
+        torch.save(LlamaForCausalLM.from_pretrained(private).state_dict(), secret)
         (model / 'model.safetensors').unlink()
         _index(model, {name: '../private/pytorch_model.bin' for name in names}, 'pytorch_model.bin.index.json')
         expected = "a weight shard '../private/pytorch_model.bin' is not a plain file name inside its folder"
@@ -115,9 +117,8 @@ def test_weights_outside_the_folder_are_never_read(form, tiny, tmp_path, tokeniz
 
 @pytest.mark.parametrize('weight_map, expected', [
     ({'lm_head.weight': 7}, "a weight shard 7 is not a plain file name"),
-    (['model.safetensors'], 'is not a shard index (no weight_map object'),
     ({}, 'is not a shard index (no weight_map object'),
-], ids=['integer shard name', 'weight_map a list', 'weight_map empty'])
+], ids=['integer shard name', 'weight_map empty'])
 def test_a_shard_index_that_is_not_a_map_of_plain_names_is_refused(weight_map, expected, tiny, tmp_path, capfd):
     model = _copy(tiny, tmp_path / 'model')
     (model / 'model.safetensors').rename(model / 'model-00001-of-00001.safetensors')
