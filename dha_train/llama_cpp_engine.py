@@ -13,6 +13,10 @@ Flash attention is on by default, as llama-server's ``--flash-attn auto`` turns 
 stores V transposed and pads every layer's V cache to the widest layer's, so a model whose layers keep different K/V
 head counts (a per-layer DHA, ``deci`` in GGUF) would hold the widest layer's V cache in every layer.
 
+Weight repacking (llama.cpp's "extra buffer types") is off where llama.cpp was built with its AMX kernels
+(``repacks_weights``): on AMX Xeons those kernels crash the process at the first decode of a quantized file
+(Q4_1, Q4_K_M) and abort the scheduler with a q8_0 cache on a DeepSeek-format file (docs/serving.md, "AMX CPUs").
+
 ``llama-cpp-python`` is a source distribution that builds llama.cpp with the machine's cmake and compiler; ``make
 install`` installs the pinned version (``pyproject.toml``, the ``serve`` extra). Importing this module does not
 import it: ``require_llama_cpp`` says how to install it when it is missing.
@@ -20,7 +24,9 @@ import it: ``require_llama_cpp`` says how to install it when it is missing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import re
 import time
@@ -64,6 +70,35 @@ class KvCache:
     v_mib: float
 
 
+@functools.cache
+def repacks_weights() -> bool:
+    """Whether models load with llama.cpp's extra buffer types (weights repacked for the CPU's kernels): not when
+    the library holds AMX kernels (its system line says ``AMX_INT8 = 1``), whose repack crashes on AMX CPUs
+    (llama-server's ``--no-repack`` is the same switch)."""
+    llama_cpp = require_llama_cpp()
+    return 'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info().decode('utf-8', errors='replace')
+
+
+def model_params(llama_cpp, base=None):
+    """llama.cpp's model parameters with ``use_extra_bufts`` set by ``repacks_weights``."""
+    params = base if base is not None else llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = repacks_weights()
+    return params
+
+
+@contextlib.contextmanager
+def _repack_setting(llama_cpp):
+    """``llama_cpp.Llama`` builds its model parameters from ``llama_model_default_params`` and (in 0.3.36) takes no
+    argument for ``use_extra_bufts``: the defaults it reads carry ``model_params``' setting while it loads."""
+    bindings = llama_cpp.llama_cpp
+    defaults = bindings.llama_model_default_params
+    bindings.llama_model_default_params = lambda: model_params(llama_cpp, defaults())
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = defaults
+
+
 _LOG: list[str] = []
 CACHE_TYPES = ('f16', 'f32', 'q8_0')  # K/V cache types (llama.cpp's -ctk / -ctv); q8_0 needs flash attention
 
@@ -99,10 +134,11 @@ class LlamaCppModel:
         start = len(_LOG)
         threads = threads or os.cpu_count() or 1
         try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                       n_threads=threads, n_threads_batch=threads, logits_all=all_logits,
-                                       type_k=types, type_v=types,
-                                       flash_attn=flash_attention, vocab_only=vocab_only, verbose=False, seed=0)
+            with _repack_setting(llama_cpp):
+                self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                                           n_threads=threads, n_threads_batch=threads, logits_all=all_logits,
+                                           type_k=types, type_v=types, flash_attn=flash_attention,
+                                           vocab_only=vocab_only, verbose=False, seed=0)
         except ValueError as exc:  # llama-cpp-python's wording for a file the loader refused
             raise LlamaCppError(f'llama.cpp could not load {path}: {_refusal(start) or exc}') from None
         self.log = ''.join(_LOG[start:])
@@ -116,6 +152,9 @@ class LlamaCppModel:
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
         """llama.cpp's token ids for ``text`` (``add_special``: the BOS the GGUF says to add)."""
         return list(self.llm.tokenize(text.encode('utf-8'), add_bos=add_special, special=False))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.llm.detokenize(tokens).decode('utf-8', errors='replace')
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """(positions, vocabulary) float32 logits of a fresh forward pass over ``tokens``."""
@@ -168,6 +207,27 @@ class LlamaCppModel:
         self.close()
 
 
+# llama.cpp's own quantizer's file types (llama-quantize's names): the weights as users run them in llama.cpp/ollama
+QUANTIZED_TYPES = ('q4_0', 'q4_1', 'q4_k_m', 'q5_k_m', 'q6_k', 'q8_0')
+
+
+def quantize_gguf(source: str | Path, out: str | Path, file_type: str, threads: int | None = None) -> None:
+    """``source`` (an f16/f32 GGUF file) quantized by llama.cpp's own quantizer into ``out`` (llama-quantize's
+    work: it picks each tensor's type for ``file_type``, falling back where a row is not a whole number of blocks)."""
+    llama_cpp = require_llama_cpp()
+    if file_type not in QUANTIZED_TYPES:
+        raise LlamaCppError(f"quantized type must be one of {', '.join(QUANTIZED_TYPES)}, got '{file_type}'")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f'LLAMA_FTYPE_MOSTLY_{file_type.upper()}')
+    params.nthread = threads or os.cpu_count() or 1
+    global _CALLBACK
+    if _CALLBACK is None:
+        _CALLBACK = _capture_log()
+    start = len(_LOG)
+    if llama_cpp.llama_model_quantize(str(source).encode('utf-8'), str(out).encode('utf-8'), ctypes.byref(params)):
+        raise LlamaCppError(f'llama.cpp could not quantize {source} to {file_type}: {_refusal(start)}')
+
+
 def _ggml_types(cache_type: str) -> int:
     llama_cpp = require_llama_cpp()
     if cache_type not in CACHE_TYPES:
@@ -204,9 +264,9 @@ class LlamaCppSequences:
             _CALLBACK = _capture_log()
         threads = threads or os.cpu_count() or 1
         start = len(_LOG)
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode('utf-8'), model_params)
+        params = model_params(llama_cpp)
+        params.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode('utf-8'), params)
         if not self.model:
             raise LlamaCppError(f'llama.cpp could not load {path}: {_refusal(start)}')
         params = llama_cpp.llama_context_default_params()

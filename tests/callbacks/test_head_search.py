@@ -225,12 +225,13 @@ def test_servable_search_shares_one_equal_grouping_per_layer_and_bakes_to_a_serv
 
     # ... and that DHA model, exported to GGUF, runs in llama.cpp with the same logits (per-layer counts: `deci`).
     from dha_train.cli import main
+    from dha_train.engine_process import EngineProcess
     from dha_train.llama_cpp_engine import LlamaCppModel
 
     dha.save_pretrained(tmp_path / 'dha')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'dha')
     assert main(['export-gguf', str(tmp_path / 'dha'), str(tmp_path / 'dha.gguf'), '--outtype', 'f32']) == 0
-    with LlamaCppModel(tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
+    with EngineProcess(LlamaCppModel, tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
                        flash_attention=False) as engine:
         found = torch.from_numpy(engine.logits(ids[0].tolist()))
     torch.testing.assert_close(found, reference[0], rtol=0, atol=1e-4)

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig
 
 from dha_train.cli import main
+from dha_train.engine_process import EngineProcess
 from dha_train.llama_cpp_engine import LlamaCppError, LlamaCppModel, LlamaCppSequences
 from helpers import save_tiny_llama
 
@@ -45,10 +46,10 @@ def test_sequences_decoded_together_each_decode_as_the_prompt_alone(models):
     """Every sequence holds its own copy of the prompt's cache: each of three decoded together, and one decoded
     after them, gives the tokens greedy decoding gives alone; the cache is one stream's size per sequence."""
     prompt = list(range(5, 105))
-    with LlamaCppModel(models['gqa.gguf'], n_ctx=CONTEXT) as alone:
+    with EngineProcess(LlamaCppModel, models['gqa.gguf'], n_ctx=CONTEXT) as alone:
         expected = alone.greedy(prompt, 9)
         single_mib = alone.kv_cache.k_mib + alone.kv_cache.v_mib
-    with LlamaCppSequences(models['gqa.gguf'], sequences=3, context=CONTEXT, threads=1) as engine:
+    with EngineProcess(LlamaCppSequences, models['gqa.gguf'], sequences=3, context=CONTEXT, threads=1) as engine:
         assert engine.kv_cache.mib == pytest.approx(3 * single_mib, abs=0.011)
         assert engine.kv_mib_per_sequence == pytest.approx(single_mib, abs=0.011)
         assert engine.fill(prompt) > 0 and engine.next_token == expected[0]
@@ -62,9 +63,9 @@ def test_sequences_decoded_together_each_decode_as_the_prompt_alone(models):
 
 def test_a_q8_0_cache_holds_17_32nds_of_the_f16_bytes(models):
     """q8_0 stores 32 values in 34 bytes (32 one-byte values and an f16 scale), f16 in 64."""
-    with LlamaCppSequences(models['gqa.gguf'], sequences=2, context=4096, cache_type='f16', threads=1) as f16:
+    with EngineProcess(LlamaCppSequences, models['gqa.gguf'], sequences=2, context=4096, cache_type='f16', threads=1) as f16:
         f16_mib = f16.kv_cache.k_mib + f16.kv_cache.v_mib
-    with LlamaCppSequences(models['gqa.gguf'], sequences=2, context=4096, cache_type='q8_0', threads=1) as q8:
+    with EngineProcess(LlamaCppSequences, models['gqa.gguf'], sequences=2, context=4096, cache_type='q8_0', threads=1) as q8:
         assert q8.kv_cache.k_type == q8.kv_cache.v_type == 'q8_0'
         assert q8.kv_cache.k_mib + q8.kv_cache.v_mib == pytest.approx(f16_mib * 17 / 32, abs=0.011)
 
@@ -83,14 +84,14 @@ def test_the_quantizable_split_exports_a_cache_llama_cpp_quantizes(models, tmp_p
     assert len(notes) == 1 and 'the V head (kv_lora_rank) 44 is not a multiple of 32' in notes[0]
     assert '--quantizable-cache' in notes[0]
     with pytest.raises(LlamaCppError, match='q8_0.*does not divide'):
-        LlamaCppSequences(tmp_path / 'default.gguf', sequences=1, context=CONTEXT, cache_type='q8_0')
+        EngineProcess(LlamaCppSequences, tmp_path / 'default.gguf', sequences=1, context=CONTEXT, cache_type='q8_0')
 
     assert main(['export-gguf', str(models['deepseek_q']), str(tmp_path / 'quantizable.gguf')]) == 0
     assert 'cannot quantize' not in capsys.readouterr().out
     prompt = list(range(5, 69))
     logits = {}
     for cache_type in ('f16', 'q8_0'):
-        with LlamaCppModel(tmp_path / 'quantizable.gguf', n_ctx=CONTEXT, all_logits=True,
+        with EngineProcess(LlamaCppModel, tmp_path / 'quantizable.gguf', n_ctx=CONTEXT, all_logits=True,
                            cache_type=cache_type) as engine:
             assert engine.kv_cache.k_type == cache_type
             logits[cache_type] = engine.logits(prompt)
@@ -187,3 +188,27 @@ def test_bench_serve_stopped_after_timing_keeps_what_it_timed(models, tmp_path, 
     assert sorted((row['context'], row['sequences']) for row in partial['rows']) == [(32, 1), (32, 2), (64, 1),
                                                                                       (64, 2)]
     assert all(row['decode_tps'] > 0 and row['decode_tps_ratio'] == 1.0 for row in partial['rows'])
+
+
+def test_a_model_whose_engine_crashes_is_recorded_with_the_signal_and_the_bench_goes_on(models, tmp_path, data_root,
+                                                                                       monkeypatch):
+    """Each engine runs in its own process: the DeepSeek-format model's segfaulting at its first decoding step is
+    an entry of 'crashed' naming SIGSEGV, its rows are left out, and the source is timed and the results written."""
+    from dha_train.commands.bench import serve
+    from engine_stand_ins import SequencesCrashingOnMla
+
+    monkeypatch.setattr(serve, 'LlamaCppSequences', SequencesCrashingOnMla)
+    rows = [{'label': 'teacher', 'method': 'teacher', 'budget': None, 'val_loss': 5.0,
+             'hf_folder': str(models['gqa'])},
+            {'label': 'MLA-DeepSeek kv1 +KL', 'method': 'mla_deepseek', 'budget': 'kv1', 'val_loss': 5.0,
+             'hf_folder': str(models['deepseek'])}]
+    out = tmp_path / 'serve'
+    settings = serve.ServeSettings(real=[str(stand_in_bench_real(tmp_path, data_root, rows))], out=str(out),
+                                   contexts=[32], sequences=[1], cache_types=['f16'], decode_tokens=4, repeats=1,
+                                   threads=1, loss=False)
+    report = serve.run_serve_bench(settings)
+    assert [(entry['model'], entry['context']) for entry in report['crashed']] == [('MLA-DeepSeek 1/3', 32)]
+    assert 'signal SIGSEGV' in report['crashed'][0]['reason']
+    assert {row['model'] for row in report['rows']} == {'source'}
+    assert report['rows'][0]['decode_tps'] > 0
+    assert json.loads((out / 'results.json').read_text())['crashed'] == report['crashed']

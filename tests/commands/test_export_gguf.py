@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dha_train.models  # noqa: F401  (registers the DHA class)
 from dha_train.cli import main
+from dha_train.engine_process import EngineProcess
 from dha_train.llama_cpp_engine import LlamaCppModel
 from dha_train.methods import kv_cache_bytes
 from dha_train.models.head_map import HeadMap
@@ -105,7 +106,7 @@ def test_the_export_runs_in_llama_cpp_as_in_transformers(kind, folders, sources,
     tokenizer = AutoTokenizer.from_pretrained(folder)
     lines = mixed_text_lines()
     assert len(lines) >= 200
-    with LlamaCppModel(out, n_ctx=256, all_logits=True, cache_type='f32', flash_attention=False) as engine:
+    with EngineProcess(LlamaCppModel, out, n_ctx=256, all_logits=True, cache_type='f32', flash_attention=False) as engine:
         # the same ids for every line, and for the whole text with the special tokens the tokenizer adds
         mismatched = [line for line in lines
                       if engine.tokenize(line) != tokenizer(line, add_special_tokens=False)['input_ids']]
@@ -125,7 +126,7 @@ def test_the_export_runs_in_llama_cpp_as_in_transformers(kind, folders, sources,
                                        max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 16:].tolist()
         assert engine.greedy(prompt[:16], 32) == generated
 
-    with LlamaCppModel(out, n_ctx=N_CTX, cache_type='f16') as engine:
+    with EngineProcess(LlamaCppModel, out, n_ctx=N_CTX, cache_type='f16') as engine:
         cache = engine.kv_cache
     expected_mib = kv_cache_bytes(model.config, N_CTX, 2) / 2 ** 20
     assert cache.k_type == cache.v_type == 'f16' and cache.cells == N_CTX and cache.layers == LAYERS
@@ -139,7 +140,7 @@ def test_q8_0_and_f16_files_load_and_stay_close(folders, tmp_path):
     for outtype in ('f32', 'f16', 'q8_0', 'bf16'):
         out = tmp_path / f'{outtype}.gguf'
         assert main(['export-gguf', str(folders['dha']), str(out), '--outtype', outtype]) == 0
-        with LlamaCppModel(out, n_ctx=64, all_logits=True, cache_type='f32', flash_attention=False) as engine:
+        with EngineProcess(LlamaCppModel, out, n_ctx=64, all_logits=True, cache_type='f32', flash_attention=False) as engine:
             logits[outtype] = engine.logits(prompt)
     scale = np.abs(logits['f32']).max()
     # measured, as a share of the largest logit: f16 0.2%, bf16 1.8%, q8_0 5.5% (llama.cpp rounds the activations to
@@ -257,6 +258,6 @@ def test_a_map_whose_k_and_v_number_the_same_groups_differently_exports_exactly(
     prompt = list(range(7, 47))
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0].numpy()
-    with LlamaCppModel(tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
+    with EngineProcess(LlamaCppModel, tmp_path / 'dha.gguf', n_ctx=64, all_logits=True, cache_type='f32',
                        flash_attention=False) as engine:
         assert np.abs(engine.logits(prompt) - expected).max() < LOGIT_TOLERANCE

@@ -145,6 +145,7 @@ def test_the_imported_folder_exported_to_gguf_tokenizes_as_its_hf_tokenizer_in_l
     mixed text (code, prose, digits, non-ASCII), the same BOS handling, and the chat template the GGUF shipped."""
     from transformers import AutoTokenizer
 
+    from dha_train.engine_process import EngineProcess
     from dha_train.llama_cpp_engine import LlamaCppModel
     from helpers import mixed_text_lines
 
@@ -154,7 +155,7 @@ def test_the_imported_folder_exported_to_gguf_tokenizes_as_its_hf_tokenizer_in_l
     out = tmp_path / 'smollm2.gguf'
     assert cli_main(['export-gguf', str(imported), str(out), '--outtype', 'q8_0']) == 0
     assert gguf.GGUFReader(out).fields['tokenizer.chat_template'].contents() == shipped
-    with LlamaCppModel(out, vocab_only=True) as engine:
+    with EngineProcess(LlamaCppModel, out, vocab_only=True) as engine:
         lines = mixed_text_lines()
         assert [line for line in lines if engine.tokenize(line) != tokenizer(line, add_special_tokens=False)['input_ids']
                 ] == []

@@ -51,6 +51,7 @@ import torch
 
 from dha_train.config import ConfigError
 from dha_train.data.loaders import split_sequences
+from dha_train.engine_process import EngineCrashedError, EngineProcess
 from dha_train.gguf_io import GgufExportError, export_gguf
 from dha_train.llama_cpp_engine import CACHE_TYPES, LlamaCppError, LlamaCppModel, LlamaCppSequences
 from dha_train.plots import plot_curves
@@ -145,7 +146,7 @@ def _hf_loss(folder: str, sequences: list[np.ndarray]) -> float:
 
 def _engine_loss(path: Path, sequences: list[np.ndarray], threads: int, cache_type: str) -> float:
     total, count = 0.0, 0
-    with LlamaCppModel(path, n_ctx=len(sequences[0]), all_logits=True, threads=threads,
+    with EngineProcess(LlamaCppModel, path, n_ctx=len(sequences[0]), all_logits=True, threads=threads,
                        cache_type=cache_type) as engine:
         for sequence in sequences:
             tokens = [int(t) for t in sequence]
@@ -212,6 +213,13 @@ def run_serve_bench(settings: ServeSettings) -> dict:
 
     timings: dict[tuple, dict] = {}
     refused: list[dict] = []
+    crashed: list[dict] = []  # an engine whose process died: recorded with the signal, and the bench goes on
+
+    def crash(name: str, outtype: str, cache_type: str, context: int | None, exc: EngineCrashedError) -> None:
+        crashed.append({'model': name, 'outtype': outtype, 'cache_type': cache_type, 'context': context,
+                        'reason': str(exc)})
+        print(f'[bench serve] {name}: {exc}', flush=True)
+
     partial = out / 'results.partial.json'
     run = {'settings': asdict(settings), 'results_files': pooled['files'], 'threads': threads, 'machine': _machine(),
            'date': time.strftime('%Y-%m-%d')}  # heads both the partial and the final results
@@ -223,17 +231,23 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                 engines = {}
                 try:
                     for name in rows:
+                        engine = None
                         try:
-                            engine = LlamaCppSequences(files[name, outtype], sequences=most, context=context,
-                                                       threads=threads, cache_type=cache_type)
-                        except LlamaCppError as exc:
+                            engine = EngineProcess(LlamaCppSequences, files[name, outtype], sequences=most,
+                                                   context=context, threads=threads, cache_type=cache_type)
+                            prompt_tps = engine.fill(prompt)  # once per model: compute-bound and steady
+                        except (LlamaCppError, EngineCrashedError) as exc:
+                            if engine is not None:
+                                engine.close()
+                            if isinstance(exc, EngineCrashedError):
+                                crash(name, outtype, cache_type, context, exc)
+                                continue
                             if context == settings.contexts[0]:
                                 refused.append({'model': name, 'outtype': outtype, 'cache_type': cache_type,
                                                 'reason': str(exc)})
                                 print(f'[bench serve] {name}: {exc}', flush=True)
                             continue
                         engines[name] = engine
-                        prompt_tps = engine.fill(prompt)  # once per model: compute-bound and steady
                         for count in settings.sequences:
                             timings[name, outtype, cache_type, context, count] = {
                                 'prompt_tps': prompt_tps, 'decode_tps': 0.0,
@@ -241,8 +255,16 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                                 'kv_mib': count * engine.kv_mib_per_sequence}
                     for _ in range(settings.repeats):  # decode rounds, models interleaved: drift reaches all alike
                         for count in settings.sequences:
-                            for name, engine in engines.items():
-                                decode_tps, _ = engine.decode(count, settings.decode_tokens, first_tokens[:count])
+                            for name, engine in list(engines.items()):
+                                try:
+                                    decode_tps, _ = engine.decode(count, settings.decode_tokens, first_tokens[:count])
+                                except EngineCrashedError as exc:  # its rows of this context and cache go
+                                    crash(name, outtype, cache_type, context, exc)
+                                    engines.pop(name).close()
+                                    for key in [key for key in timings if key[:4] == (name, outtype, cache_type,
+                                                                                      context)]:
+                                        del timings[key]
+                                    continue
                                 best = timings[name, outtype, cache_type, context, count]
                                 best['decode_tps'] = max(best['decode_tps'], decode_tps)
                 finally:
@@ -250,7 +272,7 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                         engine.close()
                 print(f'[bench serve] timed context {context} ({outtype} weights, {cache_type} cache)', flush=True)
                 # what is timed so far, so that a long run stopped part-way keeps it (replaced by results.json)
-                partial.write_text(json.dumps({**run, 'complete': False, 'refused': refused,
+                partial.write_text(json.dumps({**run, 'complete': False, 'refused': refused, 'crashed': crashed,
                                                'rows': _timing_rows(timings, rows)}, indent=2) + '\n')
 
     table = _timing_rows(timings, rows)
@@ -265,12 +287,15 @@ def run_serve_bench(settings: ServeSettings) -> dict:
                         loss = _engine_loss(files[name, outtype], scored, threads, cache_type)
                     except LlamaCppError:
                         loss = None  # the refusal is in 'refused'
+                    except EngineCrashedError as exc:
+                        crash(name, outtype, cache_type, None, exc)
+                        loss = None
                     losses[name][f'llama_cpp_{outtype}_{cache_type}'] = loss
         print('[bench serve] held-out losses done', flush=True)
     report = {**run,
               'models': {name: row['hf_folder'] for name, row in rows.items()},
               'labels': {name: row['label'] for name, row in rows.items()},
-              'skipped': missing, 'cache_unquantizable': cache_notes, 'refused': refused,
+              'skipped': missing, 'cache_unquantizable': cache_notes, 'refused': refused, 'crashed': crashed,
               'loss_tokens': int(sum(len(s) for s in scored)), 'rows': table,
               'capacity': capacity(table, settings.cache_budget_mib), 'losses': losses}
     report['targets'] = target_verdicts(report)
