@@ -116,7 +116,7 @@ def _model_config(folder: Path, where: str, config: PretrainedConfig | None) -> 
     class of the folder's ``model_type`` with its defaults and the checked ``tokenizer_class`` (what AutoTokenizer
     takes from a config); both after ``check_named_classes``, as is the folder's config.json."""
     path = folder / MODEL_CONFIG
-    fields = _json_object(_read_bounded(path, MODEL_CONFIG, where), path, where) if path.exists() else {}
+    fields = _json_object(_read_bounded(path, MODEL_CONFIG, where), path, where) if os.path.lexists(path) else {}
     check_named_classes(fields, where, str(path))
     if config is not None:
         check_named_classes(vars(config), where, 'its model config')
@@ -143,7 +143,10 @@ def _copy_tokenizer_files(folder: Path, copy: Path, where: str) -> None:
             tokenizer_config = _json_object(data, path, where)
             check_tokenizer_config(tokenizer_config, where)
             check_named_classes(tokenizer_config, where, str(path))
-            data = json.dumps(_without_paths(tokenizer_config), indent=2).encode()
+            try:
+                data = json.dumps(_without_paths(tokenizer_config), indent=2).encode()
+            except RecursionError:
+                raise UntrustedDataError(f'{where}: {path} is nested too deeply for a tokenizer config') from None
         (copy / name).write_bytes(data)
 
 
