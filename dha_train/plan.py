@@ -39,6 +39,7 @@ from dha_train.distributed import causal_lm_on_meta, shard_blocks
 from dha_train.model_folders import load_model_config, weights_optional
 from dha_train.models.llama_layout import attention_head_widths
 from dha_train.optim import build_optimizer
+from dha_train.weight_sizes import parameter_count
 
 GIB = 2 ** 30
 RESERVE_GIB = 2.0  # CUDA context (~0.5 GiB) and NCCL's buffers (~1 GiB at 8 ranks), which the tracker cannot see
@@ -289,7 +290,7 @@ def _layer_sizes(hf: torch.nn.Module) -> list[tuple[int, int]]:
 def _teacher_parameters(teacher_config) -> int:
     if teacher_config is None:
         return 0
-    return sum(p.numel() for p in causal_lm_on_meta(teacher_config).parameters())
+    return parameter_count(teacher_config)
 
 
 # The tracked peak grows by the same amount for every layer of one width from the third on (LLaMA-2-7B at world size
