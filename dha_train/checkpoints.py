@@ -12,7 +12,10 @@ reads, for Composer, for export and for the pre-check alike, with one checked re
 - **non-tensor items**: ``DefaultLoadPlanner.load_bytes`` keeps the object ``check_byte_item`` unpickled;
 - **numpy**: the RNG state's arrays are rebuilt from a fresh plain dtype (``_PickledDtype``, ``_CheckedArray``): a
   dtype re-stated with fields, object type or flags is refused, so no array can read raw bytes as pointers;
-- **tar archives**: Composer would extract one (``download_checkpoint``); refused, local or remote.
+- **tar archives**: Composer would extract one (``download_checkpoint``); refused, local or remote;
+- **declared sizes** (``dha_train.checkpoint_sizes``): ``.metadata``'s tensors must be backed by their chunks' stored
+  bytes and its ``planner_data`` must spell its own keys, before export's gather allocates anything; every tensor of
+  a whole file must fit its storage (no stride of 0), and a model state must hold tensors only.
 
 Before a run hands Composer a local ``load_path`` or the checkpoint autoresume found, ``check_checkpoint`` refuses
 with one line naming the path anything that is not a whole Composer checkpoint: a truncated file (a torch.save file is
