@@ -224,15 +224,19 @@ def _unwrapped(exc: BaseException) -> BaseException:
 
 def check_byte_item(raw: bytes, name: str) -> Any:
     """Unpickle a DCP non-tensor item as dha-train allows (weights_only, ``SAFE_GLOBALS``) and return it; a refused
-    type raises ``UnsafeCheckpointError`` naming it."""
+    type raises ``UnsafeCheckpointError`` naming it, as does a tensor in it larger than its storage."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(io.BytesIO(raw), weights_only=True)
+            item = torch.load(io.BytesIO(raw), weights_only=True)
     except pickle.UnpicklingError as exc:
         ours = _unwrapped(exc)
         what = str(ours) if ours is not exc else f"names {_refused_type(exc) or 'an object weights_only refuses'}"
         raise UnsafeCheckpointError(f'its item {name}: {what}, not one of the types a checkpoint of `dha-train train` '
                                     'holds; dha-train refuses to unpickle it') from None
+    problem = tensor_size_problem(item)
+    if problem is not None:
+        raise UnsafeCheckpointError(f'its item {name}: {problem}')
+    return item
 
 
 def _load_bytes_checked(self: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
