@@ -22,6 +22,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dha_train.model_folders import folder_digest
+from dha_train.untrusted import UntrustedDataError
 from helpers import REPO, folder_snapshot, refused_in_one_line, save_tiny_llama
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def test_weights_outside_the_folder_are_never_read(form, tiny, tmp_path, tokeniz
     for command, argv in _commands(model, outs).items():
         line = refused_in_one_line(argv, outs, capfd)
         assert expected in line and str(model) in line, (command, line)
-    with pytest.raises(Exception, match='not a plain file name|leads out of'):
+    with pytest.raises(UntrustedDataError, match='not a plain file name|leads out of'):
         folder_digest(model)  # the bench's identity of a model covers only the folder's own files
     assert _listing(model) == listing
     assert not_read is None or not_read(), 'the other folder\'s weights were read'
