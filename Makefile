@@ -26,6 +26,10 @@ quickstart: install
 # left out (it would be fetched) and the server answers the OpenAI-style HTTP API.
 LLAMA_CPP_PYTHON := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -1)
 LLAMA_BUILD := $(VENV)/llama.cpp-build
+# Built for this CPU (-march=native) but without llama.cpp's AMX kernels: on AMX Xeons their weight repacking
+# crashes every quantized file at its first decode (docs/serving.md, "AMX CPUs"). The CPU's other repacked kernels
+# stay; on CPUs without AMX the flags change nothing.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
 llama-server: $(BIN)/llama-server
 
@@ -34,6 +38,7 @@ $(BIN)/llama-server: pyproject.toml | install
 	$(BIN)/python -m pip download -q --no-deps --no-binary :all: "$(LLAMA_CPP_PYTHON)" -d $(LLAMA_BUILD)
 	tar xzf $(LLAMA_BUILD)/llama_cpp_python-*.tar.gz -C $(LLAMA_BUILD)
 	cmake -S $(LLAMA_BUILD)/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_BUILD)/build -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)" \
 		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
 		-DBUILD_SHARED_LIBS=OFF > $(LLAMA_BUILD)/configure.log
@@ -52,9 +57,11 @@ docs: install
 # --durations: the CI log lists the slowest tests, to keep the suite's time in view (docs/developing.md).
 # -n: parallel workers (pytest-xdist), one test file each at a time (--dist loadfile keeps a file's module fixtures
 # built once); each worker's streaming datasets use their own shared-memory prefixes (tests/conftest.py).
+# --max-worker-restart 0: a worker that dies (a crash no test caught) ends the run at once, naming the test it was
+# running, instead of being replaced; replaced workers after a crash left xdist waiting forever under --dist loadfile.
 TEST_WORKERS ?= 2
 test: lint docs
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=15
 
 # The torch 2.11 lane: the quick tests under the GPU image's torch (2.11) with the pinned Composer, streaming and
 # transformers 4.53 installed without their dependency checks (tests/requirements-torch211.txt). A separate target,

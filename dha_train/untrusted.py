@@ -66,13 +66,26 @@ def plain_name(name: Any, where: str, what: str = 'a file name', *, folder: str 
     parts = name.split('/') if isinstance(name, str) and subfolders else [name]
     if not isinstance(name, str) or not all(_plain_part(part) for part in parts):
         raise UntrustedDataError(f'{where}: {what} {name!r:.120} is not a plain file name inside its folder '
-                                 '(no .., not absolute, no separators); dha-train opens nothing it names')
+                                 '(no .., not absolute, no folders but those of an MDS index); dha-train opens nothing it names')
     if folder is not None:
         root = Path(folder).resolve()
-        if not (root / name).resolve().is_relative_to(root):
+        target = (root / name).resolve()
+        if not (target.is_relative_to(root) or _hub_cache_blob(Path(folder), name, target)):
             raise UntrustedDataError(f'{where}: {what} {name!r:.120} leads out of {folder} through a link; '
                                      'dha-train opens nothing outside the folder')
     return name
+
+
+def _hub_cache_blob(folder: Path, name: str, target: Path) -> bool:
+    """A Hugging Face hub cache snapshot (``models--org--name/snapshots/<revision>/``) holds its files as links to
+    ``../../blobs/<hash>``: the same model repository's own store, so a link from the snapshot straight into it (and
+    nowhere else) stays inside the folder the user named."""
+    snapshots = folder.absolute().parent
+    if snapshots.name != 'snapshots' or '/' in name:
+        return False
+    link = folder / name
+    blobs = (snapshots.parent / 'blobs').resolve()
+    return link.is_symlink() and target.parent == blobs and target.is_file()
 
 
 def _plain_part(part: Any) -> bool:
