@@ -64,8 +64,8 @@ def _read_bounded(path: Path, name: str, where: str) -> bytes:
     try:
         if not stat.S_ISREG(path.stat().st_mode):
             raise UntrustedDataError(f'{where}: {path} is not a regular file; dha-train reads tokenizer files only')
-        with path.open('rb') as handle:
-            data = handle.read(MAX_FILE_BYTES + 1)
+        with path.open('rb') as handle:  # read(n) reserves n bytes up front: ask for the file's size, bounded
+            data = handle.read(min(os.fstat(handle.fileno()).st_size, MAX_FILE_BYTES) + 1)
     except OSError as exc:
         raise UntrustedDataError(f'{where}: cannot read {path} ({exc.strerror or type(exc).__name__})') from None
     if len(data) > MAX_FILE_BYTES:
