@@ -38,7 +38,7 @@ import re
 import tempfile
 import types
 import zipfile
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ from torch.torch_version import TorchVersion
 
 from dha_train.checkpoint_sizes import metadata_size_problem, tensor_size_problem
 from dha_train.errors import DhaTrainError, OutputExistsError
-from dha_train.untrusted import UntrustedDataError, check_tokenizer_entries, config_fields
+from dha_train.untrusted import UntrustedDataError, check_tokenizer_entries, config_fields, plain_name
 from dha_train.weight_sizes import check_config_sizes
 
 LATEST = 'latest-rank0.pt'  # Composer's link to the newest checkpoint in a save_folder (rank 0's)
@@ -195,11 +195,10 @@ def read_checked_metadata(path: str | Path) -> dcp_metadata.Metadata:
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f'its {SHARDED_METADATA} holds a {type(metadata).__name__}, not DCP metadata')
     for info in (metadata.storage_data or {}).values():
-        name = getattr(info, 'relative_path', None)
-        if not (isinstance(name, str) and name and PurePath(name).name == name and name not in ('.', '..')
-                and '\\' not in name):
-            raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names shard file {name!r}, not a file name inside '
-                                        'the folder')
+        try:  # the one rule for a name from data (a remote folder's shards are downloaded to these names too)
+            plain_name(getattr(info, 'relative_path', None), f'its {SHARDED_METADATA}', 'shard file')
+        except UntrustedDataError as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
     problem = metadata_size_problem(metadata)
     if problem is not None:
         raise UnsafeCheckpointError(f'its {SHARDED_METADATA} {problem}; dha-train allocates nothing its bytes do not '

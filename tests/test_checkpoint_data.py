@@ -286,7 +286,7 @@ def test_metadata_naming_a_shard_outside_its_folder_is_refused(tmp_path):
     metadata.storage_data = {index: dataclasses.replace(info, relative_path='../outside.distcp')
                              for index, info in metadata.storage_data.items()}
     (folder / '.metadata').write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match='not a file name inside the folder'):
+    with pytest.raises(CheckpointError, match='not a plain file name inside its folder'):
         check_checkpoint(folder)
     with pytest.raises(UnsafeCheckpointError):
         FileSystemReader(str(folder)).read_metadata()

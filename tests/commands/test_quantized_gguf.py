@@ -6,6 +6,12 @@ crash fails the test that met it, naming the signal."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,7 +19,7 @@ from dha_train.cli import main
 from dha_train.engine_process import EngineProcess, run_isolated
 from dha_train.gguf_io import resolve_source
 from dha_train.llama_cpp_engine import LlamaCppModel, quantize_gguf
-from helpers import save_tiny_llama
+from helpers import free_port, save_tiny_llama
 
 
 def test_the_smollm2_q4_1_file_answers_paris():
@@ -51,3 +57,40 @@ def test_a_converted_model_quantized_by_llama_cpp_gives_logits_near_its_f16_file
     # give noise: correlation near 0, relative RMS near 1.4
     relative_rms = np.sqrt(((found - expected) ** 2).mean() / (expected ** 2).mean())
     assert relative_rms < 0.65 and np.corrcoef(found.ravel(), expected.ravel())[0, 1] > 0.8, relative_rms
+
+
+LLAMA_SERVER = Path(__file__).resolve().parents[2] / '.venv' / 'bin' / 'llama-server'
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason='llama-server is not built (make llama-server)')
+def test_llama_server_built_by_make_answers_paris_with_the_q4_1_file(tmp_path):
+    """The server `make llama-server` builds (without llama.cpp's AMX kernels) serves the quantized file with no
+    flag; it crashed at the first decode on AMX CPUs when built with them."""
+    path, _ = resolve_source('smollm2-135m')
+    port = free_port()
+    log = (tmp_path / 'server.log').open('w')
+    server = subprocess.Popen([str(LLAMA_SERVER), '-m', str(path), '--port', str(port), '-c', '512', '-t', '2'],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f'llama-server ended ({server.returncode}): see {tmp_path / "server.log"}'
+            try:
+                with urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, 'llama-server did not come up'
+            time.sleep(0.5)
+        request = urllib.request.Request(
+            f'http://127.0.0.1:{port}/completion', headers={'Content-Type': 'application/json'},
+            data=json.dumps({'prompt': 'The capital of France is', 'n_predict': 4, 'temperature': 0}).encode())
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.loads(reply.read())['content']
+        assert server.poll() is None
+        assert 'Paris' in answer, answer
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
