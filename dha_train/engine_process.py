@@ -11,6 +11,7 @@ engine measures are taken inside the child, so the pipe adds nothing to them.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import signal
@@ -165,11 +166,11 @@ class EngineProcess:
 
     def close(self) -> None:
         if self._process.is_alive() and not self._crashed:
-            try:
+            # a child that dies while closing has nothing left to give back: the join below reaps it either way
+            with contextlib.suppress(EOFError, ConnectionError):
                 self._connection.send(('close',))
-                self._connection.poll(60) and self._connection.recv()
-            except (EOFError, ConnectionError, BrokenPipeError):
-                pass
+                if self._connection.poll(60):
+                    self._connection.recv()
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()

@@ -65,8 +65,9 @@ def _bounded_lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[bytes | N
         if len(line) <= max_line_bytes or line.endswith(b'\n'):
             yield line
             continue
-        while (rest := stream.readline(_SKIP_CHUNK)) and not rest.endswith(b'\n'):
-            pass
+        rest = line
+        while rest and not rest.endswith(b'\n'):  # read past the rest of the line, a piece at a time
+            rest = stream.readline(_SKIP_CHUNK)
         yield None
 
 
