@@ -118,20 +118,26 @@ def _capture_log():
 _CALLBACK = None
 
 
+def _log_start() -> int:
+    """Where llama.cpp's log continues from (the log routed into ``_LOG`` on first use): what ``_refusal`` and
+    ``_parse_kv`` read after it."""
+    global _CALLBACK
+    if _CALLBACK is None:
+        _CALLBACK = _capture_log()
+    return len(_LOG)
+
+
 class LlamaCppModel:
     """A GGUF file loaded in llama.cpp on the CPU."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 2048, threads: int | None = None, all_logits: bool = False,
                  n_batch: int = 512, cache_type: str = 'f16', flash_attention: bool = True, vocab_only: bool = False):
-        global _CALLBACK
         llama_cpp = require_llama_cpp()
         path = Path(path)
         if not path.is_file():
             raise LlamaCppError(f'no GGUF file at {path}')
-        if _CALLBACK is None:
-            _CALLBACK = _capture_log()
         types = _ggml_types(cache_type)
-        start = len(_LOG)
+        start = _log_start()
         threads = threads or os.cpu_count() or 1
         try:
             with _repack_setting(llama_cpp):
@@ -220,10 +226,7 @@ def quantize_gguf(source: str | Path, out: str | Path, file_type: str, threads: 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f'LLAMA_FTYPE_MOSTLY_{file_type.upper()}')
     params.nthread = threads or os.cpu_count() or 1
-    global _CALLBACK
-    if _CALLBACK is None:
-        _CALLBACK = _capture_log()
-    start = len(_LOG)
+    start = _log_start()
     if llama_cpp.llama_model_quantize(str(source).encode('utf-8'), str(out).encode('utf-8'), ctypes.byref(params)):
         raise LlamaCppError(f'llama.cpp could not quantize {source} to {file_type}: {_refusal(start)}')
 
@@ -253,17 +256,14 @@ class LlamaCppSequences:
 
     def __init__(self, path: str | Path, *, sequences: int, context: int, threads: int | None = None,
                  cache_type: str = 'f16', n_batch: int = 512):
-        global _CALLBACK
         llama_cpp = require_llama_cpp()
         path = Path(path)
         if not path.is_file():
             raise LlamaCppError(f'no GGUF file at {path}')
         if sequences < 1 or context < 1:
             raise LlamaCppError(f'sequences and context must be >= 1, got {sequences} and {context}')
-        if _CALLBACK is None:
-            _CALLBACK = _capture_log()
         threads = threads or os.cpu_count() or 1
-        start = len(_LOG)
+        start = _log_start()
         params = model_params(llama_cpp)
         params.n_gpu_layers = 0
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode('utf-8'), params)
