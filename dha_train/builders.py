@@ -1,4 +1,4 @@
-"""Build a run's HF LLaMA (from a local checkpoint or from a config) and wrap it as a Composer model."""
+"""Build a run's HF model of any family (from a local checkpoint or from a config) and wrap it as a Composer model."""
 
 from __future__ import annotations
 
@@ -7,20 +7,20 @@ from pathlib import Path
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import dha_train.models  # noqa: F401  (registers the DHA and MoH classes with the transformers Auto classes)
-from dha_train import methods
-from dha_train.config import ConfigError, ModelConfig, check_llama_config_keys
+from dha_train import families, methods
+from dha_train.config import ConfigError, ModelConfig, check_model_config_keys
 from dha_train.distributed import causal_lm_on_meta
 from dha_train.model_folders import load_causal_lm, load_model_config, safetensors_files
 from dha_train.models.llama_layout import is_decoder_block
 from dha_train.ops.deepseek import latent_eps_scale, latent_training_eps, scale_latent_rows
 
 
-def build_llama_config(cfg: ModelConfig):
-    """The LlamaConfig of a run: the pretrained folder's config (if any) with ``cfg.config`` applied on top."""
-    check_llama_config_keys(cfg.config)
+def build_model_config(cfg: ModelConfig):
+    """The HF config of a run: the pretrained folder's config (if any) with ``cfg.config`` applied on top, or the
+    config of the family ``cfg.config['model_type']`` names (LLaMA by default) built from ``cfg.config``."""
     if cfg.pretrained_path is not None:
         path = Path(cfg.pretrained_path)
         if not (path / 'config.json').is_file():
@@ -29,12 +29,23 @@ def build_llama_config(cfg: ModelConfig):
         if llama_config.model_type not in methods.trainable_model_types():
             raise ConfigError(f"model.pretrained_path: {path} holds a '{llama_config.model_type}' model; dha_train "
                               f"trains {', '.join(methods.trainable_model_types())} models")
+        source_type = families.source_model_type(llama_config)
+        check_model_config_keys(cfg.config, source_type if source_type in families.FAMILIES else None)
+        if cfg.config.get('model_type', source_type) != source_type:
+            raise ConfigError(f"model.config.model_type: {cfg.config['model_type']} differs from the "
+                              f"{source_type} model in {path}")
         for key, value in cfg.config.items():
+            if key == 'model_type':
+                continue
             setattr(llama_config, key, value)
     else:
         if not cfg.config:
-            raise ConfigError('model: give model.pretrained_path (a local HF folder) or model.config (LlamaConfig fields)')
-        llama_config = LlamaConfig(**cfg.config)
+            raise ConfigError('model: give model.pretrained_path (a local HF folder) or model.config (config fields '
+                              'of a family: model_type, hidden_size, ...)')
+        check_model_config_keys(cfg.config)
+        fields = dict(cfg.config)
+        family = families.get(fields.pop('model_type', 'llama'), 'model.config.model_type')
+        llama_config = family.config_class(**fields)
     if llama_config.hidden_size % llama_config.num_attention_heads:
         raise ConfigError(f'model.config: hidden_size={llama_config.hidden_size} is not divisible by '
                           f'num_attention_heads={llama_config.num_attention_heads}')
@@ -42,15 +53,15 @@ def build_llama_config(cfg: ModelConfig):
     return llama_config
 
 
-def build_llama(cfg: ModelConfig, on_meta_device: bool = False):
-    """A ``LlamaForCausalLM`` (or the DHA / MoH class of a method's export) in fp32; Composer's autocast gives bf16
+def build_model(cfg: ModelConfig, on_meta_device: bool = False):
+    """The family's causal LM (or the DHA / MoH / MLA class of a method's export) in fp32; Composer's autocast gives bf16
     compute on GPU.
 
     ``on_meta_device``: the same model without weights (parameters and buffers on the meta device), for the ranks
     other than global rank 0 when only rank 0 reads the weights (``model.load_on_rank0``): Composer's FSDP2 sees the
     mixed initialisation and broadcasts rank 0's weights while it shards the model.
     """
-    llama_config = build_llama_config(cfg)
+    llama_config = build_model_config(cfg)
     if cfg.attn_implementation == 'flash_attention_2':
         try:
             import flash_attn  # noqa: F401  (an optional extra: only its presence is checked)

@@ -26,7 +26,7 @@ from dha_train.data.loaders import (
 )
 from dha_train.data.tokenizer import load_tokenizer
 from dha_train.errors import DhaTrainError
-from dha_train.model_folders import check_model_folder, load_llama_config
+from dha_train.model_folders import check_model_folder, load_source_config
 from dha_train.models.head_map import source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.similarity import RunningGram
@@ -225,7 +225,7 @@ def load_source_model(model_dir: Path, config, *, dtype: str = 'float32', device
     source = source_head_map(config, who)
     if dtype not in DTYPES:
         raise ConfigError(f"{who}: dtype must be float32, bfloat16 or float16, got '{dtype}'")
-    model = LlamaForCausalLM.from_pretrained(model_dir, config=load_llama_config(model_dir, who=who), local_files_only=True,
+    model = LlamaForCausalLM.from_pretrained(model_dir, config=load_source_config(model_dir, who=who), local_files_only=True,
                                              trust_remote_code=False, torch_dtype=DTYPES[dtype])
     return model.to(device), source
 

@@ -20,8 +20,8 @@ from composer.core import Time
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from streaming.base.hashing import get_hashes
-from transformers import LlamaConfig
 
+from dha_train import families
 from dha_train.config_env import env_values, show_env_values
 from dha_train.data.domains import DOMAINS
 from dha_train.errors import DhaTrainError
@@ -38,8 +38,9 @@ REQUIRED = '???'  # omegaconf's marker for a value that must be given
 class ModelConfig:
     # A local HF folder to start from (a real checkpoint); when null the model is built from `config`.
     pretrained_path: Optional[str] = None
-    # LlamaConfig fields (hidden_size, num_hidden_layers, ...); applied on top of the pretrained config when both
-    # are given. Keys are checked against LlamaConfig.
+    # Config fields of the model's family (hidden_size, num_hidden_layers, ...); applied on top of the pretrained
+    # config when both are given. Without a pretrained folder, `model_type` names the family (default llama: a
+    # LlamaConfig). Keys are checked against that family's config class (dha_train.families).
     config: dict[str, Any] = field(default_factory=dict)
     # Local HF tokenizer folder; defaults to pretrained_path. Saved into checkpoints and exports.
     tokenizer: Optional[str] = None
@@ -232,9 +233,16 @@ def unknown_key_error(path: str, key: str, valid: typing.Iterable[str]) -> Confi
     return ConfigError(f"unknown config key '{where}'{hint} (valid keys here: {', '.join(valid)})")
 
 
-def check_llama_config_keys(overrides: dict) -> None:
-    """Every key of ``model.config`` must be a LlamaConfig field."""
-    valid = set(LlamaConfig().to_dict())
+def check_model_config_keys(overrides: dict, model_type: str | None = None) -> None:
+    """Every key of ``model.config`` must be a field of the model's family config (``model_type``: the family of
+    ``model.config.model_type``, LLaMA by default; None before the pretrained folder is read: a field of any
+    family). ``model.config.model_type`` itself must name a family."""
+    chosen = overrides.get('model_type')
+    if chosen is not None:
+        families.get(chosen, 'model.config.model_type')
+        model_type = chosen
+    names = [model_type] if model_type is not None else list(families.FAMILIES)
+    valid = {key for name in names for key in families.get(name).config_class().to_dict()} | {'model_type'}
     for key in overrides:
         if key not in valid:
             raise unknown_key_error('model.config', key, valid)
@@ -320,7 +328,8 @@ def _check_values(config: TrainConfig) -> None:
         Time.from_timestring(config.scheduler.t_warmup)
     except ValueError as exc:
         raise ConfigError(f"scheduler.t_warmup: '{config.scheduler.t_warmup}' is not a Composer time string") from exc
-    check_llama_config_keys(config.model.config)
+    check_model_config_keys(config.model.config,
+                            None if config.model.pretrained_path is not None else 'llama')
     for domain in config.train_loader.streams or {}:
         if domain not in DOMAINS:
             raise unknown_key_error('train_loader.streams', domain, DOMAINS)

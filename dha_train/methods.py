@@ -1,13 +1,13 @@
 """The conversion-method registry: everything a method adds to the common path, recorded in one place.
 
-A method turns a source LLaMA (MHA or GQA) into cheaper attention. For each one this records:
+A method turns a source model of any family (``dha_train.families``; MHA or GQA) into cheaper attention. For each one this records:
 
 - ``name``: the tag its training-time surgery writes into the HF config (``dha_train_method``) at ``Event.INIT``, so a
   checkpoint says which method made it (``tag_method``);
 - ``algorithm``: the Composer algorithm (a ``dha_train.registry.algorithms`` name) that does that surgery, if any;
 - ``export``: ``(config, weights) -> (config, weights)``, the checkpoint of that surgery turned into the model it
   stands for (DHA: fusion baked into compact heads; aligned GQA: the group heads only; MoH: the MoH class);
-- ``model_type``: the HF ``model_type`` of its exports. ``builders.build_llama_config`` accepts exactly the plain
+- ``model_type``: the HF ``model_type`` of its exports. ``builders.build_model_config`` accepts exactly the plain
   LLaMA plus these as a starting point for further training (their classes are registered with the transformers
   Auto classes by ``dha_train.models``);
 - ``kv_cache_bytes``: the KV-cache size of one of its models, from the HF config (default: the head map the config
@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
+from dha_train import families
 from dha_train.errors import DhaTrainError
 from dha_train.models.head_map import HeadMap
 from dha_train.models.llama_layout import head_dim
@@ -89,8 +90,8 @@ def names() -> list[str]:
 
 
 def trainable_model_types() -> list[str]:
-    """HF model types a run may start from: the plain LLaMA and every method's export."""
-    return sorted({BASE_MODEL_TYPE} | {method.model_type for method in _METHODS.values()})
+    """HF model types a run may start from: every source family and every method's export."""
+    return sorted({*families.supported()} | {method.model_type for method in _METHODS.values()})
 
 
 def tag_method(config: PretrainedConfig, name: str) -> None:
@@ -160,9 +161,10 @@ def _bake_fusion(config, weights):
 
 def _keep_group_heads(config, weights):
     """Aligned GQA's pruning run (``KVHeadTransfer``): with every gate frozen at 0, only the group heads remain, a
-    standard HF GQA model."""
+    standard HF GQA model of the source's own family."""
     weights, num_kv_heads = transfer_to_gqa_state_dict(weights, head_dim(config))
-    return LlamaConfig(**{**_llama_settings(config), 'num_key_value_heads': num_kv_heads}), weights
+    config_class = families.of(config, 'aligned_gqa export').config_class
+    return config_class(**{**_llama_settings(config), 'num_key_value_heads': num_kv_heads}), weights
 
 
 def _as_moh_model(config, weights):

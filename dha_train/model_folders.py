@@ -37,15 +37,17 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from dha_train import families
 from dha_train.errors import DhaTrainError, InputNotFoundError
 from dha_train.untrusted import MODEL_TYPES, UntrustedDataError, config_fields, config_from_dict, plain_name
 from dha_train.weight_sizes import check_config_sizes, check_parameter_budget
 
-# The model types the project reads (``dha_train.untrusted.MODEL_TYPES``). Commands that need a plain LLaMA source
-# pass ``model_types=('llama',)``.
+# The model types the project reads (``dha_train.untrusted.MODEL_TYPES``). Commands that need a plain source model
+# pass ``model_types=SOURCE_MODEL_TYPES``, the families of ``dha_train.families``.
 LLAMA_MODEL_TYPES = MODEL_TYPES
+SOURCE_MODEL_TYPES = families.supported()
 _SINGLE_FILES = ('model.safetensors', 'pytorch_model.bin')
 
 
@@ -326,14 +328,16 @@ def load_causal_lm(folder: str | Path, *, who: str, config: PretrainedConfig | N
                                                 trust_remote_code=False, **kwargs)
 
 
-def load_llama_config(folder: str | Path, *, who: str) -> LlamaConfig:
-    """A source folder's config read as a ``LlamaConfig`` (what ``LlamaConfig.from_pretrained`` reads), after
-    ``check_model_folder`` and without the config's code keys, so none travels into the folders written from it; its
-    model no larger than its weights."""
-    def build(config: dict, where: str) -> LlamaConfig:
-        _, fields = config_fields(config, where=where)
+def load_source_config(folder: str | Path, *, who: str) -> PretrainedConfig:
+    """A source folder's config in its family's own config class (``dha_train.families``: LLaMA, Mistral, Qwen2,
+    Qwen3, Gemma 3), after ``check_model_folder`` and without the config's code keys, so none travels into the
+    folders written from it; its model no larger than its weights. Another model type is refused in one line naming
+    the supported families."""
+    def build(config: dict, where: str) -> PretrainedConfig:
+        model_type, fields = config_fields(config, where=where, model_types=SOURCE_MODEL_TYPES)
+        family = families.get(model_type, where)
         try:
-            return LlamaConfig.from_dict(fields)
+            return family.config_class.from_dict(fields)
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise UntrustedDataError(f'{where}: not a valid llama config ({type(exc).__name__}: {exc})') from exc
-    return _built_config(folder, who, LLAMA_MODEL_TYPES, build)
+            raise UntrustedDataError(f'{where}: not a valid {model_type} config ({type(exc).__name__}: {exc})') from exc
+    return _built_config(folder, who, SOURCE_MODEL_TYPES, build)

@@ -32,7 +32,7 @@ from composer.optim import DecoupledAdamW
 
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 from dha_train import registry
-from dha_train.builders import build_llama_config, wrap_composer
+from dha_train.builders import build_model_config, wrap_composer
 from dha_train.config import ConfigError, TrainConfig, load_config, per_device_batch
 from dha_train.data.prep import MANIFEST_NAME, read_manifest
 from dha_train.distributed import causal_lm_on_meta, shard_blocks
@@ -148,7 +148,7 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
     widest later layer, with the teacher, the attention-transfer source and the head map cut alike) and extrapolated
     layer by layer (see ``_extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B
     on one core)."""
-    depth = build_llama_config(config.model).num_hidden_layers
+    depth = build_model_config(config.model).num_hidden_layers
     if exact or depth <= PROBE_DEPTHS[-1] + 2:
         return _measure(config, world_size, microbatch, seq_len, steps)
     with _planning_process_group(world_size):
@@ -255,7 +255,7 @@ class _Built:
 
 
 def _built(config: TrainConfig) -> _Built:
-    llama_config = build_llama_config(config.model)
+    llama_config = build_model_config(config.model)
     llama_config.use_cache = False  # training: the recompute of a checkpointed layer must not grow a cache
     precision, policy = _mixed_precision(config)
     # Built on the meta device, as a rank that receives rank 0's weights builds it; every algorithm's INIT surgery
@@ -453,7 +453,7 @@ def _checked(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, m
     config = load_config(recipe, overrides)
     per_rank = per_device_batch(config, world_size, f'--world-size {world_size}')
     with weights_optional():
-        context = build_llama_config(config.model).max_position_embeddings
+        context = build_model_config(config.model).max_position_embeddings
     if seq_len is not None and not 1 <= seq_len <= context:
         raise ConfigError(f'plan: --seq-len must be in 1..{context} (the model\'s max_position_embeddings), '
                           f'got {seq_len}')
@@ -492,7 +492,7 @@ def _plan(recipe: str, overrides: Sequence[str], world_size: int, gpu: str, mfu:
           search_largest: bool, seq_len: int | None) -> dict:
     card, config, per_rank, seq_len = _checked(recipe, overrides, world_size, gpu, mfu, seq_len)
     microbatch = config.device_train_microbatch_size
-    llama_config = build_llama_config(config.model)
+    llama_config = build_model_config(config.model)
     measured = measure(config, world_size, microbatch, seq_len, exact=exact)
     reading = measured['reading']
     usable = (card.memory_gib - RESERVE_GIB) * GIB

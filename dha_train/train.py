@@ -22,7 +22,7 @@ from composer.utils import FSDP2Config, dist, get_device, partial_format, reprod
 import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
 from dha_train import registry
-from dha_train.builders import build_llama, build_llama_config, wrap_composer
+from dha_train.builders import build_model, build_model_config, wrap_composer
 from dha_train.checkpoints import (
     LATEST,
     CheckpointError,
@@ -184,7 +184,7 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     read_cpu_model_without_a_subprocess()
 
     # Cheap checks first: data layout, vocabulary and sequence length against the model config.
-    llama_config = build_llama_config(config.model)
+    llama_config = build_model_config(config.model)
     tokenizer_path = config.model.tokenizer or config.model.pretrained_path
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     if tokenizer is not None and len(tokenizer) > llama_config.vocab_size:
@@ -211,7 +211,7 @@ def build_trainer(config: TrainConfig, extra_loggers: Sequence = (), extra_callb
     fsdp_enabled = config.fsdp is not None and config.fsdp.enabled
     on_meta_device = (config.model.load_on_rank0 and fsdp_enabled and world_size > 1
                       and dist.get_global_rank() != 0)
-    model = wrap_composer(build_llama(config.model, on_meta_device=on_meta_device), tokenizer)
+    model = wrap_composer(build_model(config.model, on_meta_device=on_meta_device), tokenizer)
     optimizer = build_optimizer(model, config.optimizer)
 
     parallelism_config = None

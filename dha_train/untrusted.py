@@ -33,11 +33,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import dha_train.models  # noqa: F401  (registers dha_llama, moh_llama and mla_llama with AutoConfig)
+from dha_train import families
 from dha_train.errors import DhaTrainError
 
-# The model types the project reads: the plain LLaMA, its own classes (DHA/AsymGQA, MoH, MLA; a fused-checkpoint
-# `dha_llama` is a DHA model too) and transformers' DeepseekV3 (MLA in DeepSeek's format).
-MODEL_TYPES = ('llama', 'dha_llama', 'moh_llama', 'mla_llama', 'deepseek_v3')
+# The model types the project reads: the source families of the family layer (dha_train.families), its own classes
+# (DHA/AsymGQA, MoH, MLA; a fused-checkpoint `dha_llama` is a DHA model too) and transformers' DeepseekV3 (MLA in
+# DeepSeek's format).
+MODEL_TYPES = (*families.supported(), *families.OWN_MODEL_TYPES, 'deepseek_v3')
 
 # Config keys that make transformers import code, or name where to fetch a config from: never taken from data.
 CODE_KEYS = ('trust_remote_code', 'auto_map', '_name_or_path')

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.algorithms.mixture_of_heads import MixtureOfHeads
-from dha_train.builders import build_llama
+from dha_train.builders import build_model
 from dha_train.config import ModelConfig
 from helpers import SEQ_LEN, TINY_MAP
 
@@ -28,8 +28,8 @@ def pretrained(tmp_path):
 
 
 def test_the_meta_model_is_the_loaded_model_without_weights(pretrained):
-    loaded = build_llama(pretrained)
-    empty = build_llama(pretrained, on_meta_device=True)
+    loaded = build_model(pretrained)
+    empty = build_model(pretrained, on_meta_device=True)
     assert type(empty) is type(loaded) and empty.fsdp_wrap_fn is loaded.fsdp_wrap_fn
     assert empty.config._attn_implementation == loaded.config._attn_implementation
     shapes = {name: (p.shape, p.dtype) for name, p in loaded.named_parameters()}
@@ -43,7 +43,7 @@ def test_the_meta_model_is_the_loaded_model_without_weights(pretrained):
 
 @pytest.mark.parametrize('algorithm', ['progressive_fusion', 'kv_head_transfer', 'moh_learned_router'])
 def test_init_surgery_applies_to_the_meta_model(pretrained, tmp_path, algorithm):
-    model = build_llama(pretrained, on_meta_device=True)
+    model = build_model(pretrained, on_meta_device=True)
     if algorithm == 'progressive_fusion':
         fusion = HeadFusion(head_map=str(TINY_MAP.save(tmp_path / 'head_map.json')), progressive=[2])
         created = fusion.apply_surgery(model)

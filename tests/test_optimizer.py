@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dha_train.builders import build_llama
+from dha_train.builders import build_model
 from dha_train.config import ModelConfig, OptimizerConfig
 from dha_train.optim import add_param_group, build_optimizer
 
 
 def test_named_groups_and_an_added_group_follow_their_own_lr():
-    model = build_llama(ModelConfig(config={'vocab_size': 64, 'hidden_size': 16, 'intermediate_size': 32,
+    model = build_model(ModelConfig(config={'vocab_size': 64, 'hidden_size': 16, 'intermediate_size': 32,
                                             'num_hidden_layers': 1, 'num_attention_heads': 2,
                                             'num_key_value_heads': 2, 'max_position_embeddings': 8}))
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=1e-4))

@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 from dha_train import registry
 from dha_train.config import ConfigError
 from dha_train.methods import TRAINING_ONLY_MODULES
-from dha_train.model_folders import check_model_folder, load_llama_config, safetensors_shards
+from dha_train.model_folders import check_model_folder, load_source_config, safetensors_shards
 from dha_train.models.llama_layout import hf_model, train_only_attention
 
 SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
@@ -98,7 +98,7 @@ class AttentionTransfer(Algorithm):
 
     def _install(self, state: State) -> None:
         model = hf_model(state.model)
-        source_config = load_llama_config(self.source_path, who='attention_transfer source_path')
+        source_config = load_source_config(self.source_path, who='attention_transfer source_path')
         for key in ('num_hidden_layers', 'hidden_size', 'num_attention_heads'):
             if getattr(source_config, key) != getattr(model.config, key):
                 raise ConfigError(f'attention_transfer: the source has {key}={getattr(source_config, key)}, the '

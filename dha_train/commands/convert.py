@@ -9,7 +9,7 @@ from dha_train.config import ConfigError
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import FACTORISATIONS, RANK_CHOICES, MlaSettings, convert_to_mla
-from dha_train.model_folders import check_model_folder, load_llama_config, missing_tokenizer_note
+from dha_train.model_folders import check_model_folder, load_source_config, missing_tokenizer_note
 from dha_train.models.head_map import HeadMap, HeadMapError, source_head_map
 from dha_train.ops.deepseek import LATENT_NORM_FITS
 from dha_train.ops.mla import BALANCES, PAIR_CRITERIA
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f'convert --method mean_pool: {", ".join(stray)} apply only to --method mla')
     if args.head_map is None and args.kv_heads is None:
         raise ConfigError('convert --method mean_pool needs --head-map or --kv-heads')
-    config = load_llama_config(args.model_dir, who='convert')
+    config = load_source_config(args.model_dir, who='convert')
     source = source_head_map(config, 'convert')
     if args.head_map is not None:
         head_map = HeadMap.load(args.head_map)

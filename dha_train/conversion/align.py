@@ -31,7 +31,7 @@ from dha_train.calibration import calibrate, calibration_batches, load_source_mo
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import load_llama_config
+from dha_train.model_folders import load_source_config
 from dha_train.models.head_map import HeadMap, source_head_map
 from dha_train.models.llama_layout import head_dim as config_head_dim
 from dha_train.ops.alignment import align_llama_state_dict, aligned_similarity, group_maps, within_group_cosine
@@ -80,7 +80,7 @@ def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSetting
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
-    config = load_llama_config(model_dir, who='align')
+    config = load_source_config(model_dir, who='align')
     num_heads = config.num_key_value_heads  # the units aligned and grouped: the source's K/V heads
     head_dim = config_head_dim(config)
     source_head_map(config, 'align')

@@ -21,7 +21,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder, load_llama_config
+from dha_train.model_folders import check_model_folder, load_source_config
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.deepseek import (
     LATENT_NORM_EPS,
@@ -269,7 +269,7 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --format deepseek')
     refuse_nonempty(out_dir, overwrite)
-    config = load_llama_config(model_dir, who='convert --format deepseek')
+    config = load_source_config(model_dir, who='convert --format deepseek')
     check_source(config)
     pairs, rank, source_values, quantized = budget(config, settings)
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')

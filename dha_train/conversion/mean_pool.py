@@ -1,10 +1,11 @@
-"""Mean-pooling behind `dha-train convert`: mean-pool an MHA or GQA LLaMA folder to a head map (the GQA baseline's starting point).
+"""Mean-pooling behind `dha-train convert`: mean-pool an MHA or GQA source folder of any family to a head map (the GQA baseline's starting point).
 
 The source's own K/V heads are the units pooled: a target over a GQA source (e.g. SmolLM2's 3 K/V heads to 1)
 groups whole source heads (``HeadMap.source_partitions``) and each compact head is the mean of its source heads,
 so the K/V weights are never expanded to one head per query head. A map whose groups are equal-size and shared by
 K and V is first made contiguous by permuting the query heads
-(a function-preserving reorder), so it exports as a standard HF LLaMA with ``num_key_value_heads``; any other map
+(a function-preserving reorder), so it exports as the source family's own class (a Qwen2 source stays a
+``Qwen2ForCausalLM``) with ``num_key_value_heads``; biases and per-head q/k norms are carried; any other map
 becomes a ``DhaLlamaForCausalLM`` folder (with its modeling file, loadable with ``trust_remote_code=True``).
 """
 
@@ -13,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
 
+from dha_train import families
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder, load_llama_config
+from dha_train.model_folders import check_model_folder, load_source_config
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.grouping import partition_to_assignment
@@ -44,15 +45,17 @@ def source_order(source: HeadMap, query_order: list[list[int]]) -> list[list[int
 
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: HeadMap, *,
                        overwrite: bool = False) -> Path:
-    """Mean-pool the K/V heads of an MHA or GQA LLaMA HF folder to ``head_map`` and save the result as a HF folder."""
+    """Mean-pool the K/V heads of an MHA or GQA HF folder of any family to ``head_map`` and save the result as a HF
+    folder."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert')
     refuse_nonempty(out_dir, overwrite)  # fail before the slow part
-    config = load_llama_config(model_dir, who='convert')
+    config = load_source_config(model_dir, who='convert')
+    family = families.check('mean_pool', config, 'convert')
     head_map.check_fits(config)
     source = source_head_map(config, 'convert')
     head_map.source_partitions(source)  # a target that splits a source head fails here, before loading
-    model = LlamaForCausalLM.from_pretrained(model_dir, config=config, local_files_only=True, trust_remote_code=False,
+    model = family.causal_lm_class.from_pretrained(model_dir, config=config, local_files_only=True, trust_remote_code=False,
                                              torch_dtype=torch.float32)
     state = model.state_dict()
     del model
@@ -70,7 +73,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
     settings = config.to_diff_dict()
     if contiguous is not None:
         config.num_key_value_heads = head_map.uniform_gqa_groups()
-        converted = LlamaForCausalLM(config)
+        converted = family.causal_lm_class(config)
     else:
         # K and V grouped differently, or unequal groups: the decoupled-head model serves any head map.
         settings.pop('num_key_value_heads', None)

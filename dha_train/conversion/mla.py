@@ -20,7 +20,7 @@ import torch
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder, load_llama_config
+from dha_train.model_folders import check_model_folder, load_source_config
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.models.modeling_mla import MlaLlamaConfig, MlaLlamaForCausalLM
 from dha_train.ops.mla import (
@@ -140,7 +140,7 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --method mla')
     refuse_nonempty(out_dir, overwrite)
-    config = load_llama_config(model_dir, who='convert --method mla')
+    config = load_source_config(model_dir, who='convert --method mla')
     settings = resolved_settings(settings, head_dim(config))
     total_latent, source_values = latent_budget(config, settings)
     model, source = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')

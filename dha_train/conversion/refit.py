@@ -34,7 +34,7 @@ from dha_train.config import ConfigError
 from dha_train.errors import DhaTrainError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder, load_causal_lm, load_llama_config, load_model_config
+from dha_train.model_folders import check_model_folder, load_causal_lm, load_source_config, load_model_config
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops import refit as fit
@@ -241,7 +241,7 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
         raise ConfigError(f'refit: --tokens must be >= 1, got {settings.tokens}')
     refuse_nonempty(out_dir, overwrite)
     started = time.perf_counter()
-    source_config = load_llama_config(source_dir, who='refit (source)')
+    source_config = load_source_config(source_dir, who='refit (source)')
     source_map = source_head_map(source_config, 'refit')
     import dha_train.models  # noqa: F401  (registers the DHA / MLA classes with the Auto classes)
 

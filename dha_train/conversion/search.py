@@ -38,7 +38,7 @@ import torch
 from dha_train.calibration import CALIBRATION_FILE, CalibrationStats, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
-from dha_train.model_folders import load_llama_config
+from dha_train.model_folders import load_source_config
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules, head_dim
 from dha_train.ops.budget import (
@@ -323,7 +323,7 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
-    config = load_llama_config(model_dir, who='search')
+    config = load_source_config(model_dir, who='search')
     # num_heads: the units grouped, the source's K/V heads (the query heads for MHA).
     num_layers, num_query_heads, num_heads = (config.num_hidden_layers, config.num_attention_heads,
                                               config.num_key_value_heads)

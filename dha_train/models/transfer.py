@@ -5,7 +5,8 @@ It keeps the original heads (``weight``, still trained, under its original state
 (``group_weight``, initialised by mean-pooling each contiguous group) and one hard-concrete gate per original head
 (``log_alpha``). Head h uses W_h^apply = z_h W_h + (1 - z_h) W_group(h), mixed in weight space. Once the gates are
 frozen (``frozen_gates``, a persistent buffer, so a resumed run keeps them) and all zero, the projection is exactly
-the group heads: the export drops the originals and writes standard HF GQA.
+the group heads: the export drops the originals and writes standard HF GQA. A projection with a bias (Qwen2's k/v)
+mixes its bias the same way (``bias`` and ``group_bias``), since a bias is one more column of the projection.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ NOT_FROZEN = -1.0  # frozen_gates holds this until the gates freeze
 class TransferProjection(nn.Module):
     def __init__(self, linear: nn.Linear, num_groups: int, head_dim: int, init_log_alpha: float | None = None):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError('aligned GQA transfer: k/v projections with biases are not supported')
         num_heads = linear.out_features // head_dim
         if num_heads * head_dim != linear.out_features or num_heads % num_groups:
             raise ValueError(f'{linear.out_features} output rows are not {num_groups} equal groups of '
@@ -40,6 +39,12 @@ class TransferProjection(nn.Module):
         with torch.no_grad():
             pooled = linear.weight.reshape(num_groups, num_heads // num_groups, head_dim, -1).mean(dim=1)
         self.group_weight = nn.Parameter(pooled.reshape(num_groups * head_dim, -1).clone())
+        self.bias = linear.bias
+        self.group_bias = None
+        if linear.bias is not None:
+            with torch.no_grad():
+                pooled_bias = linear.bias.reshape(num_groups, num_heads // num_groups, head_dim).mean(dim=1)
+            self.group_bias = nn.Parameter(pooled_bias.reshape(-1).clone())
         # Open at the start (deterministic gate 1; 95% of sampled gates exactly 1): the model starts as the MHA model.
         start = log_alpha_for_open_gates(closed_probability=0.05) if init_log_alpha is None else init_log_alpha
         self.log_alpha = nn.Parameter(torch.full((num_heads,), start, dtype=torch.float32,
@@ -87,7 +92,13 @@ class TransferProjection(nn.Module):
         groups = self.group_weight.reshape(self.num_groups, 1, self.head_dim, -1)
         groups = groups.expand(-1, self.num_heads // self.num_groups, -1, -1).reshape_as(heads)
         weight = z * heads + (1.0 - z) * groups
-        return nn.functional.linear(hidden, weight.reshape(self.num_heads * self.head_dim, -1))
+        bias = None
+        if self.bias is not None:
+            z_rows = z.reshape(self.num_heads, 1)
+            group_bias = self.group_bias.reshape(self.num_groups, 1, self.head_dim)
+            group_bias = group_bias.expand(-1, self.num_heads // self.num_groups, -1).reshape(self.num_heads, -1)
+            bias = (z_rows * self.bias.reshape(self.num_heads, -1) + (1.0 - z_rows) * group_bias).reshape(-1)
+        return nn.functional.linear(hidden, weight.reshape(self.num_heads * self.head_dim, -1), bias)
 
     def extra_repr(self) -> str:
         return (f'in_features={self.in_features}, heads={self.num_heads}, groups={self.num_groups}, '
@@ -111,6 +122,8 @@ def transfer_to_gqa_state_dict(state_dict: dict[str, torch.Tensor], head_dim: in
                 raise ValueError(f'{prefix}: the transfer gates are {state}; the original heads are still in use, '
                                  'so the model cannot be exported as GQA (train past the freeze point)')
             gqa[prefix + 'weight'] = gqa.pop(prefix + 'group_weight')
+            if prefix + 'group_bias' in gqa:
+                gqa[prefix + 'bias'] = gqa.pop(prefix + 'group_bias')
             groups.add(gqa[prefix + 'weight'].shape[0] // head_dim)
         layer += 1
     if layer == 0:

@@ -228,16 +228,26 @@ def align_llama_state_dict(state_dict: dict[str, torch.Tensor], key_maps: Sequen
     for layer, (key_map, value_map) in enumerate(zip(key_maps, value_maps)):
         prefix = f'model.layers.{layer}.self_attn.'
         shared = None if query_to_kv is None else query_to_kv[layer]
-        if any(prefix + f'{proj}.bias' in state_dict for proj in ('q_proj', 'k_proj', 'v_proj')):
-            raise ValueError(f'layer {layer}: alignment of q/k/v projections with biases is not supported')
+        # A bias (Qwen2's q/k/v) is one more input column of its projection: it is folded with the weight.
+        def with_bias(proj: str) -> torch.Tensor:
+            weight = state_dict[prefix + f'{proj}.weight'].double()
+            bias = state_dict.get(prefix + f'{proj}.bias')
+            return weight if bias is None else torch.cat([weight, bias.double()[:, None]], dim=1)
+
+        def store(proj: str, folded: torch.Tensor) -> None:
+            name = prefix + f'{proj}.weight'
+            if prefix + f'{proj}.bias' in state_dict:
+                aligned[prefix + f'{proj}.bias'] = folded[:, -1].to(state_dict[prefix + f'{proj}.bias'].dtype)
+                folded = folded[:, :-1]
+            aligned[name] = folded.to(state_dict[name].dtype).contiguous()
+
         if key_map is not None:
-            q, k = fold_key_maps(state_dict[prefix + 'q_proj.weight'].double(),
-                                 state_dict[prefix + 'k_proj.weight'].double(), key_map.double(), shared)
-            aligned[prefix + 'q_proj.weight'] = q.to(state_dict[prefix + 'q_proj.weight'].dtype)
-            aligned[prefix + 'k_proj.weight'] = k.to(state_dict[prefix + 'k_proj.weight'].dtype)
+            q, k = fold_key_maps(with_bias('q_proj'), with_bias('k_proj'), key_map.double(), shared)
+            store('q_proj', q)
+            store('k_proj', k)
         if value_map is not None:
-            v, o = fold_value_maps(state_dict[prefix + 'v_proj.weight'].double(),
-                                   state_dict[prefix + 'o_proj.weight'].double(), value_map.double(), shared)
-            aligned[prefix + 'v_proj.weight'] = v.to(state_dict[prefix + 'v_proj.weight'].dtype)
+            v, o = fold_value_maps(with_bias('v_proj'), state_dict[prefix + 'o_proj.weight'].double(),
+                                   value_map.double(), shared)
+            store('v_proj', v)
             aligned[prefix + 'o_proj.weight'] = o.to(state_dict[prefix + 'o_proj.weight'].dtype)
     return aligned

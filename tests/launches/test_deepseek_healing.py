@@ -55,14 +55,14 @@ def test_a_deepseek_folder_trains_at_an_eps_that_scales_its_latent_like_its_othe
     (an Adam step would throw it out of that range). The run's model is the same function with the latent rows at
     the RoPE rows' RMS and the latent norm at the matching eps; a rank on the meta device sets the same eps from the
     folder; the export gives back the folder's weights and a config without the training eps."""
-    from dha_train.builders import build_llama
+    from dha_train.builders import build_model
     from dha_train.config import ModelConfig
     from dha_train.methods import LATENT_TRAINING_EPS, METHOD_TAG, export_model
 
     _, converted = deepseek_export
     folder_model = AutoModelForCausalLM.from_pretrained(converted, torch_dtype=torch.float32).eval()
-    model = build_llama(ModelConfig(pretrained_path=str(converted))).eval()
-    meta = build_llama(ModelConfig(pretrained_path=str(converted)), on_meta_device=True)
+    model = build_model(ModelConfig(pretrained_path=str(converted))).eval()
+    meta = build_model(ModelConfig(pretrained_path=str(converted)), on_meta_device=True)
     rank = model.config.kv_lora_rank
     for before, layer in zip(folder_model.model.layers, model.model.layers):
         start, trained = before.self_attn.kv_a_proj_with_mqa.weight, layer.self_attn.kv_a_proj_with_mqa.weight

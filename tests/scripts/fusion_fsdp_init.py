@@ -12,7 +12,7 @@ def main(recipe: str, out: str) -> None:
     from composer.utils import dist, reproducibility
 
     from dha_train.algorithms.head_fusion import HeadFusion
-    from dha_train.builders import build_llama
+    from dha_train.builders import build_model
     from dha_train.config import load_config
     from dha_train.models.fusion import FusedProjection
     from dha_train.train import build_trainer
@@ -20,7 +20,7 @@ def main(recipe: str, out: str) -> None:
     config = load_config(recipe)
     trainer = build_trainer(config)
     reproducibility.seed_all(config.seed)  # the seed build_trainer used: the same initial MHA weights
-    reference = build_llama(config.model).eval()
+    reference = build_model(config.model).eval()
     sharded = trainer.state.model.model.eval()
     fused = [m for m in sharded.modules() if isinstance(m, FusedProjection)]
     ids = torch.randint(0, config.model.config['vocab_size'], (2, 24), generator=torch.Generator().manual_seed(3))

@@ -337,12 +337,12 @@ def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k
     from transformers import AutoModelForCausalLM
 
     from dha_train.methods import export_model, tag_method
-    from dha_train.model_folders import load_llama_config
+    from dha_train.model_folders import load_source_config
     from dha_train.models.modeling_moh import check_moh_settings
     from dha_train.tokenizer_files import load_tokenizer_folder
 
     source, out = Path(source), Path(out)
-    config = load_llama_config(source, who='bench real (MoH source)')
+    config = load_source_config(source, who='bench real (MoH source)')
     check_moh_settings(config.num_attention_heads, config.num_hidden_layers, shared_heads, top_k, 'query_norm')
     config.moh_router, config.moh_shared_heads, config.moh_top_k = 'query_norm', shared_heads, top_k
     tag_method(config, 'moh')
