@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
 
+from dha_train import families
 from dha_train.config import ConfigError, TrainLoaderConfig
 from dha_train.data.loaders import (
     build_train_dataloader,
@@ -220,13 +220,14 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch
 
 
 def load_source_model(model_dir: Path, config, *, dtype: str = 'float32', device: str = 'cpu', who: str = 'search'):
-    """The plain LLaMA (MHA or GQA) in ``model_dir`` for calibration, and its head map (``source_head_map``)."""
+    """The plain source model (MHA or GQA, of any family) in ``model_dir`` for calibration, and its head map (``source_head_map``)."""
     check_model_folder(model_dir, who=who)
     source = source_head_map(config, who)
     if dtype not in DTYPES:
         raise ConfigError(f"{who}: dtype must be float32, bfloat16 or float16, got '{dtype}'")
-    model = LlamaForCausalLM.from_pretrained(model_dir, config=load_source_config(model_dir, who=who), local_files_only=True,
-                                             trust_remote_code=False, torch_dtype=DTYPES[dtype])
+    source_config = load_source_config(model_dir, who=who)
+    model = families.of(source_config, who).causal_lm_class.from_pretrained(
+        model_dir, config=source_config, local_files_only=True, trust_remote_code=False, torch_dtype=DTYPES[dtype])
     return model.to(device), source
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from dha_train import families
 from dha_train.errors import InputNotFoundError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_folders import load_model_config
@@ -38,7 +39,7 @@ CARD_FILE = 'README.md'
 RUN_RECORD = 'dha_train_run.json'
 KV_TOKENS = 4096  # the KV bytes a card states: one sequence of this many tokens in bf16
 TESTED_TRANSFORMERS = {  # the versions the project's tests load each model type with
-    'llama': '4.53.3 and 5.23', 'dha_llama': '4.53.3 and 5.23', 'moh_llama': '4.53.3 and 5.23',
+    'llama': '4.53.3 and 5.23', 'mistral': '4.53.3', 'qwen2': '4.53.3', 'qwen3': '4.53.3', 'gemma3_text': '4.53.3', 'dha_llama': '4.53.3 and 5.23', 'moh_llama': '4.53.3 and 5.23',
     'mla_llama': '4.53.3 and 5.23', 'deepseek_v3': '4.53.3'}
 OWN_CLASSES = ('dha_llama', 'moh_llama', 'mla_llama')  # loaded with trust_remote_code (the modeling file is copied)
 
@@ -122,6 +123,12 @@ def attention_summary(config) -> str:
     return text
 
 
+def _family_label(config) -> str:
+    """The source family the model is built on, for people ('Qwen2'); DeepSeek's format is its own."""
+    source_type = families.source_model_type(config)
+    return families.FAMILIES[source_type].label if source_type in families.FAMILIES else 'DeepSeek-V3 (MLA)'
+
+
 def _base_model(source: Path | None, source_card: dict) -> str | None:
     if source is None:
         return None
@@ -156,14 +163,17 @@ def write_model_card(folder: str | Path, *, method: str | None, source: str | Pa
         source_kv = kv_cache_bytes(load_model_config(reference, who='model card (source)'), KV_TOKENS, 2)
     method = method or (start_card.get('dha_train') or {}).get('method')
     block: dict[str, Any] = {
-        'method': method, 'model_type': config.model_type, 'attention': attention_summary(config),
+        'method': method, 'model_type': config.model_type, 'family': _family_label(config),
+        'attention': attention_summary(config),
         'kv_bytes_per_4096_tokens_bf16': kv, 'fraction_of_mha_kv': round(kv / _mha_kv_bytes(config), 6),
         'stages': stages}
     if source_kv:
         block['source_kv_bytes_per_4096_tokens_bf16'] = source_kv
         block['fraction_of_source_kv'] = round(kv / source_kv, 6)
     header: dict[str, Any] = {'library_name': 'transformers', 'pipeline_tag': 'text-generation',
-                              'tags': ['dha-train', config.model_type] + ([method] if method else [])}
+                              'tags': ['dha-train', config.model_type] + ([method] if method else [])
+                              + [tag for tag in [families.source_model_type(config)] if tag != config.model_type
+                                 and tag in families.FAMILIES]}
     base = base_model or start_card.get('base_model') or _base_model(source, source_card)
     if base:
         header['base_model'] = base
@@ -203,7 +213,7 @@ def _body(name: str, header: dict, config) -> str:
     block = header['dha_train']
     method = block['method'] or 'none (a plain checkpoint)'
     lines = [f'\n# {name}\n', f'Written by dha_train (method: `{method}`, model type '
-             f"`{block['model_type']}`)" + (f", from `{header['base_model']}`." if 'base_model' in header else '.'),
+             f"`{block['model_type']}`, {block['family']} family)" + (f", from `{header['base_model']}`." if 'base_model' in header else '.'),
              '', f"- **Attention**: {block['attention']}.",
              f"- **KV cache**: {block['kv_bytes_per_4096_tokens_bf16']:,} bytes per {KV_TOKENS}-token sequence in bf16, "
              f"{block['fraction_of_mha_kv']:.1%} of MHA's"

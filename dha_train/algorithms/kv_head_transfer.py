@@ -22,7 +22,7 @@ import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
-from dha_train import registry
+from dha_train import families, registry
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
@@ -61,6 +61,7 @@ class KVHeadTransfer(Algorithm):
         config = hf_model(model).config
         # An MHA or GQA model (aligned first with `dha-train align`): its own K/V heads merge into the groups.
         source_head_map(config, 'kv_head_transfer')
+        families.check('aligned_gqa', config, 'kv_head_transfer')
         if config.num_key_value_heads % self.num_groups:
             raise ConfigError(f'kv_head_transfer: num_groups {self.num_groups} must divide the '
                              f'{config.num_key_value_heads} K/V heads')
@@ -73,7 +74,9 @@ class KVHeadTransfer(Algorithm):
         tag_method(config, 'aligned_gqa')  # the checkpoint exports as the group heads alone (dha_train.methods)
         for projection in self.projections:
             projection.generator = self.generator
-        return [p.log_alpha for p in self.projections], [p.group_weight for p in self.projections]
+        group_heads = [p.group_weight for p in self.projections]
+        group_heads += [p.group_bias for p in self.projections if p.group_bias is not None]  # Qwen2's k/v biases
+        return [p.log_alpha for p in self.projections], group_heads
 
     def density(self) -> torch.Tensor:
         """Mean expected L0 over every gate, from the last forward."""

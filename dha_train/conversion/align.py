@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from dha_train import families
 from dha_train.calibration import calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
@@ -76,11 +77,12 @@ def _check(settings: AlignSettings, num_heads: int) -> None:
 
 
 def run_align(model_dir: str | Path, out_dir: str | Path, settings: AlignSettings, *, overwrite: bool = False) -> dict:
-    """Align and regroup the MHA or GQA LLaMA in ``model_dir``; write the aligned folder to ``out_dir``."""
+    """Align and regroup the MHA or GQA source model (LLaMA, Mistral, Qwen2: families whose maths allows it) in ``model_dir``; write the aligned folder to ``out_dir``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
         raise InputNotFoundError(f'no HF config.json in {model_dir}')
     config = load_source_config(model_dir, who='align')
+    families.check('aligned_gqa', config, 'align')
     num_heads = config.num_key_value_heads  # the units aligned and grouped: the source's K/V heads
     head_dim = config_head_dim(config)
     source_head_map(config, 'align')

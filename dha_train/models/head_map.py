@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dha_train.errors import DhaTrainError
+from dha_train.models.family_classes import FAMILY_CLASSES
 from dha_train.models.llama_layout import head_dim as config_head_dim
 
 Partition = Sequence[Sequence[int]]
@@ -27,12 +28,12 @@ class HeadMapError(DhaTrainError, ValueError):
 
 
 def source_head_map(config, who: str) -> HeadMap:
-    """The map of a conversion source: a plain LLaMA config (MHA, or standard GQA whose query heads share
-    ``num_key_value_heads`` contiguous K/V heads). A model that already serves a DHA head map, or routes heads, is
-    not a source: ``who`` names the command in the error."""
-    if getattr(config, 'head_map', None) is not None or getattr(config, 'model_type', 'llama') != 'llama':
-        raise HeadMapError(f'{who} starts from a plain LLaMA (MHA or GQA) checkpoint, not a '
-                           f'{getattr(config, "model_type", "?")} model')
+    """The map of a conversion source: a plain config of a source family (MHA, or standard GQA whose query heads
+    share ``num_key_value_heads`` contiguous K/V heads). A model that already serves a DHA head map, or routes heads,
+    is not a source: ``who`` names the command in the error."""
+    if getattr(config, 'head_map', None) is not None or getattr(config, 'model_type', 'llama') not in FAMILY_CLASSES:
+        raise HeadMapError(f'{who} starts from a plain source checkpoint (MHA or GQA: '
+                           f"{', '.join(FAMILY_CLASSES)}), not a {getattr(config, 'model_type', '?')} model")
     return HeadMap.from_hf_config(config)
 
 
