@@ -1,7 +1,9 @@
 """``MixtureOfHeads``: MoH attention (seed 002) as a Composer algorithm.
 
-- ``Event.INIT`` (before FSDP wrapping): every LLaMA attention becomes a ``MohLlamaAttention`` that keeps the
-  layer's q/k/v/o projections, so a pretrained MHA model starts where it was. ``router: query_norm`` (the default)
+- ``Event.INIT`` (before FSDP wrapping): every attention of the source family (``dha_train.families``: LLaMA,
+  Mistral, Qwen2, Qwen3, Gemma 3) becomes a ``MohLlamaAttention`` of that family that keeps the layer's modules (q/k/v/o
+  projections with their biases, q/k norms) and its scale and sliding window, so a pretrained model starts where it
+  was. ``router: query_norm`` (the default)
   is the paper's continue-tuning router (no parameters; 0/1 gates with straight-through gradients); ``learned`` adds
   one router per layer, seeded from the run seed, in its own parameter group (``router_lr``), for training from
   scratch. The settings are written into the model config, so the checkpoint exports as the MoH model class.
@@ -23,9 +25,8 @@ import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention
 
-from dha_train import registry
+from dha_train import families, registry
 from dha_train.config import ConfigError
 from dha_train.methods import tag_method
 from dha_train.models.llama_layout import hf_model
@@ -72,6 +73,7 @@ class MixtureOfHeads(Algorithm):
         MoH checkpoint, whose routers the optimizer already holds)."""
         hf = hf_model(model)
         config = hf.config
+        family = families.check('moh', config, 'mixture_of_heads')
         heads, layers = config.num_attention_heads, config.num_hidden_layers
         shared = heads // 2 if self.shared_heads is None else self.shared_heads
         top_k = heads // 4 if self.top_k is None else self.top_k
@@ -90,14 +92,11 @@ class MixtureOfHeads(Algorithm):
         for parent in hf.model.layers:
             attn = parent.self_attn
             if not isinstance(attn, MohLlamaAttention):
-                if type(attn) is not LlamaAttention:
-                    raise ConfigError(f'mixture_of_heads: MoH surgery takes LLaMA attention (MHA or GQA), not '
-                                     f'{type(attn).__name__}')
+                if type(attn) is not family.classes.attention:
+                    raise ConfigError(f'mixture_of_heads: MoH surgery takes {family.label} attention '
+                                      f'({family.classes.attention.__name__}, MHA or GQA), not {type(attn).__name__}')
                 weight = attn.q_proj.weight
-                with torch.device('meta'):
-                    moh = MohLlamaAttention(config, attn.layer_idx)
-                for name in ('q_proj', 'k_proj', 'v_proj', 'o_proj'):
-                    setattr(moh, name, getattr(attn, name))
+                moh = MohLlamaAttention.from_attention(attn, config)
                 if moh.router is not None:
                     init = torch.empty(moh.router.out_features, moh.router.in_features)
                     init.normal_(0.0, config.initializer_range, generator=generator)

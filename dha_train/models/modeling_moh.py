@@ -1,4 +1,12 @@
-"""Mixture-of-head attention (MoH, seed 002) LLaMA for HF transformers.
+"""Mixture-of-head attention (MoH, seed 002) for HF transformers, inside the decoder of its source family.
+
+The model is the source family's own decoder stack (``source_model_type`` in the config: LLaMA, Mistral, Qwen2,
+Qwen3, Gemma 3; absent means LLaMA, the only family of earlier exports): its embeddings, decoder layers, norms and
+rotary embeddings (Gemma's local/global pair), with only ``self_attn`` replaced. The MoH attention IS the family's
+attention class (a subclass made per family from ``family_classes``), so it keeps the family's projections and their
+biases, its per-head q/k norms (applied before RoPE), its attention scale and its sliding windows; it only adds the
+routing below. The query_norm router reads each query head's norm before q_norm (q_norm would make every head's
+norm about the same).
 
 Each token uses the first ``h_s`` heads of a layer (shared, always on) plus the top-k of the remaining ``R = H - h_s``
 heads (routed), and the head outputs are weighted before ``o_proj`` (Eq. 4). Two routers:
@@ -22,8 +30,8 @@ the cache still holds every head's K/V, since later tokens may route to any head
 less than the extra calls cost (short caches, few skipped heads), decode computes every head in one call. Prefill and
 training compute every head and weight them.
 
-This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
-exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
+This file is self-contained (torch and transformers only; ``family_classes.py`` beside it, which ``save_pretrained``
+copies with it as a relative import): ``save_pretrained`` copies it next to the weights, so an exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
 under transformers 4.5x and 5.x alike (tests/commands/test_export_transformers5.py loads exports in both).
 """
 
@@ -38,16 +46,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+
+from .family_classes import FAMILY_CLASSES, family_classes
 
 ROUTERS = ("learned", "query_norm")
 
@@ -82,20 +87,53 @@ def check_moh_settings(num_heads: int, num_layers: int, shared_heads, top_k, rou
             raise ValueError(f"MoH: layer {layer}: the learned router needs at least one routed head")
 
 
+SOURCE_MODEL_TYPE = "source_model_type"  # the config field naming the source family (absent or None: LLaMA)
+# Fields of a config's dict that name its class or its files, not the model: never carried into another class.
+_IDENTITY_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+
+
+def source_model_type_of(config) -> str:
+    """The family whose decoder a config's model is built on: a family's own ``model_type``, else the config's
+    ``source_model_type`` (LLaMA when it has none)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILY_CLASSES:
+        return model_type
+    return getattr(config, SOURCE_MODEL_TYPE, None) or "llama"
+
+
 class MohLlamaConfig(LlamaConfig):
     """A ``LlamaConfig`` plus the MoH settings: ``moh_shared_heads`` (h_s), ``moh_top_k`` (routed heads per token),
     each an int or a per-layer list, and ``moh_router`` ('learned' or 'query_norm'). The defaults are the paper's
-    continue-tuning setting: H/2 shared heads and the top H/4 routed (75% active)."""
+    continue-tuning setting: H/2 shared heads and the top H/4 routed (75% active).
+
+    ``source_model_type`` names the source family; the config then holds every field of that family's config (built
+    from the source config's whole dict, ``from_source``), and a field a saved folder left out because it equalled
+    the default is filled from the family config class's defaults (fields LLaMA's config does not have)."""
 
     model_type = "moh_llama"
 
-    def __init__(self, moh_shared_heads=None, moh_top_k=None, moh_router: str = "query_norm", **kwargs):
+    def __init__(self, moh_shared_heads=None, moh_top_k=None, moh_router: str = "query_norm",
+                 source_model_type: Optional[str] = None, **kwargs):
+        kwargs.pop("model_type", None)  # a model_type among the fields would shadow the class's
         super().__init__(**kwargs)
+        self.source_model_type = source_model_type
+        if source_model_type not in (None, "llama"):
+            defaults = family_classes(source_model_type).config().to_dict()  # refuses a type outside the table
+            for key, value in defaults.items():
+                if key not in _IDENTITY_FIELDS and not hasattr(self, key):
+                    setattr(self, key, value)
         heads = self.num_attention_heads
         self.moh_shared_heads = heads // 2 if moh_shared_heads is None else moh_shared_heads
         self.moh_top_k = heads // 4 if moh_top_k is None else moh_top_k
         self.moh_router = moh_router
         check_moh_settings(heads, self.num_hidden_layers, self.moh_shared_heads, self.moh_top_k, moh_router)
+
+    @classmethod
+    def from_source(cls, config, **settings) -> "MohLlamaConfig":
+        """The MoH config of a source family's config (or of an MoH config): every field of it, its family in
+        ``source_model_type``, and ``settings`` (the moh_* fields) over them."""
+        fields = {key: value for key, value in config.to_dict().items() if key not in _IDENTITY_FIELDS}
+        return cls(**{**fields, SOURCE_MODEL_TYPE: source_model_type_of(config), **settings})
 
     def active_fraction(self) -> float:
         """Fraction of all query heads each token uses, over the whole model."""
@@ -116,11 +154,23 @@ def load_balance_loss(routed_probs: torch.Tensor, selected: torch.Tensor) -> tor
     return (probs.mean(0) * fractions.mean(0)).sum()
 
 
-class MohLlamaAttention(LlamaAttention):
-    """LLaMA attention with shared and routed heads; K/V projections as in LLaMA (MHA or GQA)."""
+class MohLlamaAttention(nn.Module):
+    """The source family's attention with shared and routed heads; K/V projections as the family's (MHA or GQA).
+
+    ``MohLlamaAttention(config, layer_idx)`` builds the subclass of the config's family attention class
+    (``MOH_ATTENTION``): that class's ``__init__`` makes the projections with the family's biases, the q/k norms,
+    ``scaling`` and ``sliding_window``; this one adds the router. ``from_attention`` wraps a built attention's
+    modules instead (the model and the surgery: nothing is built twice or copied)."""
+
+    def __new__(cls, config=None, layer_idx=None, *args, **kwargs):
+        if cls is MohLlamaAttention:
+            cls = MOH_ATTENTION[source_model_type_of(config)]
+        return super().__new__(cls)
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx)  # the family's attention (the next class in the MRO)
+        if not hasattr(self, "sliding_window"):  # LLaMA and Mistral attention read it from the config when called
+            self.sliding_window = getattr(config, "sliding_window", None)
         self.num_heads = config.num_attention_heads
         self.shared_heads, self.top_k = moh_layer_budget(config, layer_idx)
         self.routed_heads = self.num_heads - self.shared_heads
@@ -140,6 +190,20 @@ class MohLlamaAttention(LlamaAttention):
         # zeroed by their gates. About 20-25 us per call (views, dispatch, the output copy) against about 0.3 ns
         # per element read from memory on a 2-core CPU.
         self.decode_merge_elements = getattr(config, "moh_decode_merge_elements", 1 << 16)
+
+    @classmethod
+    def from_attention(cls, attention: nn.Module, config) -> "MohLlamaAttention":
+        """MoH attention around a built family attention: its modules (projections with their biases, q/k norms)
+        become this one's; a learned router is made on their device (initialised by the model or the surgery)."""
+        with torch.device("meta"):
+            moh = MohLlamaAttention(config, attention.layer_idx)
+        for name, child in attention.named_children():
+            setattr(moh, name, child)
+        if moh.router is not None:
+            weight = moh.q_proj.weight
+            moh.router = nn.Linear(moh.router.in_features, moh.router.out_features, bias=False,
+                                   device=weight.device, dtype=weight.dtype)
+        return moh
 
     def route(self, hidden_states: torch.Tensor, query_states: torch.Tensor) -> torch.Tensor:
         """Per-token head gates (B, T, H); sets ``balance_loss`` and ``routing_stats``."""
@@ -199,8 +263,13 @@ class MohLlamaAttention(LlamaAttention):
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        # RoPE rotates each query in planes, so the norm the query_norm router reads is the same before or after it.
+        # RoPE rotates each query in planes, so the norm the query_norm router reads is the same before or after it;
+        # q_norm (Qwen3, Gemma 3) would set every head's norm to about the same, so the router reads it before.
         gates = self.route(hidden_states, query_states)
+        if getattr(self, "q_norm", None) is not None:
+            query_states = self.q_norm(query_states)
+        if getattr(self, "k_norm", None) is not None:
+            key_states = self.k_norm(key_states)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -210,7 +279,9 @@ class MohLlamaAttention(LlamaAttention):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
         attn_weights = attn_output = None
-        if self.sparse_decode and not self.training and input_shape[1] == 1 and cache is not None:
+        # A sliding-window layer skips heads only with a 4-D mask, which holds its window.
+        windowed = self.sliding_window is not None and (attention_mask is None or attention_mask.dim() != 4)
+        if self.sparse_decode and not self.training and input_shape[1] == 1 and cache is not None and not windowed:
             attn_output = self.active_heads_attention(query_states, key_states, value_states, gates, attention_mask)
         if attn_output is None:  # training, prefill, or a decode step where skipping heads would not pay
             attention_interface: Callable = eager_attention_forward
@@ -224,6 +295,7 @@ class MohLlamaAttention(LlamaAttention):
                 attention_mask,
                 dropout=0.0 if not self.training else self.attention_dropout,
                 scaling=self.scaling,
+                sliding_window=self.sliding_window,
                 **kwargs,
             )  # (B, T, H, D)
         attn_output = attn_output * gates.unsqueeze(-1).to(attn_output.dtype)
@@ -371,43 +443,47 @@ def _decode_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int
     return attention_mask[:, :, -1:, :length]
 
 
-class MohLlamaDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: MohLlamaConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.self_attn = MohLlamaAttention(config=config, layer_idx=layer_idx)
+# The MoH attention of each family: a subclass of the family's own attention class (module-level names, so that
+# instances pickle).
+MOH_ATTENTION: dict[str, type] = {}
+for _key, _classes in FAMILY_CLASSES.items():
+    _name = "MohLlamaAttentionOf" + _classes.attention.__name__
+    MOH_ATTENTION[_key] = globals()[_name] = type(_name, (MohLlamaAttention, _classes.attention),
+                                                  {"__module__": __name__, "__qualname__": _name})
 
 
 class MohLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = MohLlamaConfig
-    _no_split_modules = ["MohLlamaDecoderLayer"]
-
-
-class MohLlamaModel(MohLlamaPreTrainedModel, LlamaModel):
-    def __init__(self, config: MohLlamaConfig):
-        # LlamaModel.__init__ would first build a full set of plain LLaMA layers; build the MoH ones directly.
-        LlamaPreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [MohLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-
-        self.post_init()
+    _no_split_modules = ["LlamaDecoderLayer"]  # each model names its family's decoder layer
 
 
 class MohLlamaForCausalLM(MohLlamaPreTrainedModel, LlamaForCausalLM):
+    """The source family's decoder stack (``source_model_type``) with MoH attention in every layer, and an LM head;
+    Gemma's final logit soft-capping, where a config sets it, as Gemma applies it."""
+
     def __init__(self, config: MohLlamaConfig):
         LlamaPreTrainedModel.__init__(self, config)
-        self.model = MohLlamaModel(config)
+        classes = family_classes(source_model_type_of(config))
+        self._no_split_modules = [classes.decoder_layer.__name__]
+        self.model = classes.model(config)
+        for layer in self.model.layers:
+            layer.self_attn = MohLlamaAttention.from_attention(layer.self_attn, config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
         self.post_init()
+
+    def forward(self, *args, **kwargs):
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is None:
+            return super().forward(*args, **kwargs)
+        labels = kwargs.pop("labels", None)
+        outputs = super().forward(*args, **kwargs)
+        outputs.logits = torch.tanh(outputs.logits / cap) * cap
+        if labels is not None:
+            outputs.loss = self.loss_function(outputs.logits, labels, self.vocab_size,
+                                              num_items_in_batch=kwargs.get("num_items_in_batch"))
+        return outputs
 
 
 # save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
