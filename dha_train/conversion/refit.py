@@ -12,6 +12,13 @@ hidden x hidden Gram per layer, so memory does not grow with the tokens). Then, 
 - MLA: with the latent down-projection kept, the position-free key up-projection is regressed on the latent and the
   value up-projection is refitted jointly with o_proj (the source's value-output maps regressed on the latent).
 
+Every family (``dha_train.families``) is refitted in its own class. Projection biases (Qwen2's q/k/v, LLaMA's
+optional ones) are fitted as one more column against the input with a 1 appended (``ops.refit.augmented_gram``),
+so the refitted K/V heads keep their biases. With per-head q/k norms (Qwen3, Gemma 3) the key target is the key
+before k_norm, each member head at unit mean RMS, fitted up to a scale and a sign (``ops.refit``'s docstring): the
+norms remove the scale, the sign goes into the query heads, and the norm weights themselves are kept. An MLA folder
+of a source with biases or per-head norms is refused (its latent regression has neither).
+
 Every other weight (embeddings, MLP, norms, the MLA latent and RoPE key projections) is the converted folder's.
 Which source query head each converted head comes from is read off the query weights (mean-pool keeps them,
 aligned GQA permutes heads and rotates RoPE pairs, both of which leave each pair's B^T B unchanged); for MLA, the
@@ -29,12 +36,19 @@ from pathlib import Path
 
 import torch
 
+from dha_train import families
 from dha_train.calibration import calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import DhaTrainError
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import card_stage, write_model_card
-from dha_train.model_folders import check_model_folder, load_causal_lm, load_source_config, load_model_config
+from dha_train.model_folders import (
+    SOURCE_MODEL_TYPES,
+    check_model_folder,
+    load_causal_lm,
+    load_model_config,
+    load_source_config,
+)
 from dha_train.models.head_map import HEAD_MAP_FILE, HeadMap, source_head_map
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops import refit as fit
@@ -43,7 +57,7 @@ from dha_train.ops.mla import mix_head_pairs, nope_dims, recovered_pair_bases
 from dha_train.paths import refuse_nonempty, staged_folder
 
 REFIT_REPORT = 'refit.json'
-REFITTABLE = ('llama', 'dha_llama', 'mla_llama')
+REFITTABLE = (*families.supported(), 'dha_llama', 'mla_llama')
 # Converted models that have nothing for this command to do, and why (the message names what to run instead).
 NOT_REFITTED_HERE = {
     'moh_llama': 'MoH keeps every K/V head of its source (it routes query heads), so there is no compressed '
@@ -104,8 +118,11 @@ def _check_pair(source_config, converted_config) -> None:
         if getattr(source_config, key) != getattr(converted_config, key):
             raise RefitError(f'refit: the converted model has {key}={getattr(converted_config, key)}, the source '
                              f'{getattr(source_config, key)}: not a conversion of this source')
-    if getattr(source_config, 'attention_bias', False):
-        raise RefitError('refit: sources with attention biases are not supported (the fits have no bias term)')
+    families.check('refit', source_config, 'refit')
+    converted_family = families.source_model_type(converted_config)
+    if converted_family != source_config.model_type:
+        raise RefitError(f'refit: the converted model is built on {converted_family}, the source is a '
+                         f'{source_config.model_type} model: not a conversion of this source')
     source_bytes, converted_bytes = kv_cache_bytes(source_config, 1, 2), kv_cache_bytes(converted_config, 1, 2)
     if converted_bytes > source_bytes:  # equal is the identity conversion, the refit's closed-form check
         raise RefitError(f'refit: the converted model caches {converted_bytes} bytes per token (bf16), more than the '
@@ -117,25 +134,80 @@ def _layer_gram(stats, layer: int) -> torch.Tensor:
     return running.gram / running.count
 
 
-def _attention_weights(attention) -> dict[str, torch.Tensor]:
-    return {name: getattr(attention, f'{name}_proj').weight.detach().double()
-            for name in ('q', 'k', 'v', 'o')}
+def _layer_mean(stats, layer: int) -> torch.Tensor:
+    running = stats.layer(layer, 'input').running
+    return running.total / running.count
 
 
-def _head_map_errors(source, converted, maps, gram, head_dim) -> tuple[float, float]:
-    """Relative key-logit and value-output errors of a head-mapped layer (``ops.refit`` objectives)."""
+def _attention_weights(attention, augmented: dict[str, bool] | None = None) -> dict[str, torch.Tensor]:
+    """q/k/v/o weights in float64; a projection named in ``augmented`` gets its bias (or zeros) as a last column."""
+    weights = {}
+    for name in ('q', 'k', 'v', 'o'):
+        projection = getattr(attention, f'{name}_proj')
+        weight = projection.weight.detach().double()
+        if augmented is not None and augmented.get(name):
+            bias = projection.bias.detach().double() if projection.bias is not None else weight.new_zeros(len(weight))
+            weight = torch.cat([weight, bias[:, None]], dim=1)
+        weights[name] = weight
+    return weights
+
+
+def _write(projection, rows: torch.Tensor, what: str) -> None:
+    """Rows [W | b] (or W) into an nn.Linear; a bias column the projection has no bias for must be zero."""
+    width = projection.weight.shape[1]
+    with torch.no_grad():
+        projection.weight.copy_(rows[:, :width].to(projection.weight.dtype))
+        if rows.shape[1] > width:
+            if projection.bias is not None:
+                projection.bias.copy_(rows[:, width].to(projection.bias.dtype))
+            elif bool(rows[:, width].abs().max() > 1e-9 * max(float(rows.abs().max()), 1e-30)):
+                raise RefitError(f'refit: {what} has no bias, but the fit needs one')
+
+
+def _layer_layout(source_attn, attn, index: int) -> tuple[dict[str, bool], torch.Tensor | None]:
+    """Which of q/k/v are fitted with their bias (the source's layout; a head-mapped ``attn`` must have it too),
+    and the per-dimension key metric of a family with per-head q/k norms (None without)."""
+    biased = {name: getattr(source_attn, f'{name}_proj').bias is not None for name in ('q', 'k', 'v')}
+    for name, has in biased.items():
+        if has and attn is not None and getattr(attn, f'{name}_proj').bias is None:
+            raise RefitError(f'refit: layer {index}: the source\'s {name}_proj has a bias, the converted model\'s '
+                             'has none (a conversion dropped it)')
+    augmented = {'q': biased['q'] or biased['k'], 'k': biased['q'] or biased['k'], 'v': biased['v']}
+    k_norm, q_norm = getattr(source_attn, 'k_norm', None), getattr(source_attn, 'q_norm', None)
+    if k_norm is None and q_norm is None:
+        return augmented, None
+    probe = torch.ones(1, source_attn.head_dim, dtype=next(source_attn.parameters()).dtype,
+                       device=next(source_attn.parameters()).device)
+    with torch.no_grad():  # each norm's per-dimension multiplier on a unit-RMS head (w, or Gemma's 1 + w)
+        scales = [norm(probe)[0].double().cpu() if norm is not None else torch.ones(source_attn.head_dim,
+                                                                                   dtype=torch.float64)
+                  for norm in (q_norm, k_norm)]
+    return augmented, (scales[0] * scales[1]) ** 2
+
+
+def _head_map_errors(source, converted, maps, grams, head_dim, key_metric=None) -> tuple[float, float]:
+    """Relative key-logit (or, with per-head norms, normed-key) and value-output errors of a head-mapped layer
+    (``ops.refit`` objectives); ``grams``: (q/k gram, v gram)."""
     query_source, source_kv, key_of_query, value_of_query = maps
+    gram, value_gram = grams
     q_s, k_s, v_s = (split_heads(source[name], head_dim) for name in ('q', 'k', 'v'))
     q_c, k_c, v_c = (split_heads(converted[name], head_dim) for name in ('q', 'k', 'v'))
     o_s, o_c = fit.output_blocks(source['o'], head_dim), fit.output_blocks(converted['o'], head_dim)
     key = [0.0, 0.0]
     value = [0.0, 0.0]
+    if key_metric is not None:
+        for compact, members in enumerate(fit.group_members(query_source, source_kv, key_of_query)):
+            rows = torch.stack([k_s[member] for member, _ in members])
+            counts = torch.tensor([len(readers) for _, readers in members], dtype=torch.float64)
+            error, total = fit.normed_key_error(rows, counts, k_c[compact], gram, key_metric)
+            key = [key[0] + error, key[1] + total]
     for head, source_head in enumerate(query_source):
-        error, total = fit.logit_error(q_s[source_head], k_s[source_kv[source_head]], q_c[head],
-                                       k_c[key_of_query[head]], gram)
-        key = [key[0] + error, key[1] + total]
+        if key_metric is None:
+            error, total = fit.logit_error(q_s[source_head], k_s[source_kv[source_head]], q_c[head],
+                                           k_c[key_of_query[head]], gram)
+            key = [key[0] + error, key[1] + total]
         error, total = fit.value_output_error(v_s[source_kv[source_head]], o_s[source_head], v_c[value_of_query[head]],
-                                              o_c[head], gram)
+                                              o_c[head], value_gram)
         value = [value[0] + error, value[1] + total]
     return key[0] / max(key[1], 1e-30), value[0] / max(value[1], 1e-30)
 
@@ -145,24 +217,27 @@ def _refit_head_mapped(source_model, converted_model, stats, source_map: HeadMap
     layers = []
     for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
                                                     attention_modules(converted_model))):
-        gram = _layer_gram(stats, index)
-        source = _attention_weights(source_attn)
-        converted = _attention_weights(attn)
-        query_source, mismatch = match_query_heads(source['q'], converted['q'], head_dim)
+        augmented, key_metric = _layer_layout(source_attn, attn, index)
+        plain, mean = _layer_gram(stats, index), _layer_mean(stats, index)
+        full = fit.augmented_gram(plain, mean)
+        grams = (full if augmented['k'] else plain, full if augmented['v'] else plain)
+        source = _attention_weights(source_attn, augmented)
+        converted = _attention_weights(attn, augmented)
+        query_source, mismatch = match_query_heads(source_attn.q_proj.weight.detach(), attn.q_proj.weight.detach(),
+                                                   head_dim)
         if mismatch > MATCH_TOLERANCE:
             raise RefitError(f'refit: layer {index}: the converted query heads do not match the source\'s (relative '
                              f'mismatch {mismatch:.2f}): was it converted from this source?')
         layer_map = target_map.layers[index]
         source_kv = list(source_map.layers[index].key)
         maps = (query_source, source_kv, list(layer_map.key), list(layer_map.value))
-        before = _head_map_errors(source, converted, maps, gram, head_dim)
-        result = fit.refit_head_map_layer(source, gram, head_dim, source_kv_of_query=source_kv,
+        before = _head_map_errors(source, converted, maps, grams, head_dim, key_metric)
+        result = fit.refit_head_map_layer(source, grams[0], head_dim, source_kv_of_query=source_kv,
                                           query_source=query_source, key_of_query=layer_map.key,
-                                          value_of_query=layer_map.value)
-        with torch.no_grad():
-            for name, weight in (('q', result.q), ('k', result.k), ('v', result.v), ('o', result.o)):
-                projection = getattr(attn, f'{name}_proj').weight
-                projection.copy_(weight.to(projection.dtype))
+                                          value_of_query=layer_map.value, value_gram=grams[1],
+                                          key_metric=key_metric)
+        for name, rows in (('q', result.q), ('k', result.k), ('v', result.v), ('o', result.o)):
+            _write(getattr(attn, f'{name}_proj'), rows, f'layer {index} {name}_proj')
         # the fit's residuals are the same objectives (tests/ops/test_ops_refit.py checks that they agree)
         layers.append({'layer': index, 'query_mismatch': round(mismatch, 6),
                        'key_error_before': before[0], 'key_error_after': result.key_residual / max(result.key_total, 1e-30),
@@ -188,6 +263,11 @@ def _refit_mla(source_model, converted_model, stats, head_dim: int) -> list[dict
     layers = []
     for index, (source_attn, attn) in enumerate(zip(attention_modules(source_model),
                                                     attention_modules(converted_model))):
+        augmented, key_metric = _layer_layout(source_attn, None, index)
+        if any(augmented.values()) or key_metric is not None:
+            raise RefitError('refit: an MLA folder of a source with attention biases or per-head q/k norms is not '
+                             'refitted (the latent regression has no bias term and no k_norm); heal it from '
+                             'attention transfer')
         gram = _layer_gram(stats, index)
         source = _attention_weights(source_attn)
         down = attn.kv_down_proj.weight.detach().double()
@@ -230,7 +310,7 @@ def refit_folder(source_dir: str | Path, converted_dir: str | Path, out_dir: str
     """Refit ``converted_dir`` to ``source_dir`` (see the module docstring) and save it, same class, to
     ``out_dir`` with ``refit.json`` (per-layer errors before and after). Returns that report."""
     source_dir, converted_dir, out_dir = Path(source_dir), Path(converted_dir), Path(out_dir)
-    check_model_folder(source_dir, who='refit (source)', model_types=('llama',))
+    check_model_folder(source_dir, who='refit (source)', model_types=SOURCE_MODEL_TYPES)
     converted_json = check_model_folder(converted_dir, who='refit (converted)')
     model_type = converted_json.get('model_type')
     if model_type in NOT_REFITTED_HERE:

@@ -29,6 +29,19 @@ With gram = L L^T, the optimum row space of V'_g L is the top-d eigenvectors U o
 V'_g = U^T L^-1 (values whitened: V'_g gram V'_g^T = I) and O'_h = T_h L U. Exact when the heads of a group share
 one value head up to an invertible map. The same fit onto a latent z = A x (MLA) first regresses each value head
 on z (``regress_onto_latent``) and then solves the problem above in z's second moment.
+
+Biases. A projection with a bias is one more column of its weight against an input with a constant 1 appended:
+``augmented_gram`` is E[x' x'^T] for x' = [x; 1], and every fit above runs unchanged on [W | b] rows in it.
+
+Per-head key norms (``key_metric``; Qwen3, Gemma 3: k_norm and q_norm over each head, before RoPE). The target is
+the key BEFORE k_norm, each member head scaled to unit mean RMS: the norm removes each token's key scale, so only
+the direction matters, and the per-pair complex scale above cannot be folded into the queries (q_norm's per-dimension
+weight does not commute with a rotation in a pair). The fit is the real rank-1 one: a shared key k_g with
+member m's key about s_m k_g, whose magnitude |s_m| the norms remove and whose sign is folded into the member's query
+heads (q_norm commutes with a sign). Dimensions are weighted by the product of the squared q_norm and k_norm
+weights (the post-norm logit's weights), members by their number of query heads (q_norm equalises the query
+energies). The per-token RMS is replaced by its mean over the calibration tokens: an approximation, exact when the
+members' keys are equal up to a positive scale (then the refit is the identity).
 """
 
 from __future__ import annotations
@@ -115,6 +128,68 @@ def scale_query_pairs(query_rows: torch.Tensor, scales: torch.Tensor) -> torch.T
     original logit against k_g's member, and RoPE commutes with the per-pair complex scale."""
     z = _complex_pairs(query_rows.double()[None])[0]
     return _real_rows((z * scales.conj()[:, None])[None])[0]
+
+
+def augmented_gram(gram: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """E[x' x'^T] for x' = [x; 1] from E[x x^T] and E[x]: the second moment against which a projection with a bias,
+    as rows [W | b], is fitted."""
+    gram, mean = gram.double(), mean.double()
+    top = torch.cat([gram, mean[:, None]], dim=1)
+    return torch.cat([top, torch.cat([mean, mean.new_ones(1)])[None]], dim=0)
+
+
+@dataclass
+class NormedKeyFit:
+    rows: torch.Tensor      # (d, D) the compact key head (before k_norm)
+    signs: torch.Tensor     # (members,) +-1: member m's normed key is about sign_m times the shared one's
+    residual: float         # the weighted objective left over
+    total: float            # the objective of a zero key
+
+
+def _unit_rms_heads(member_rows: torch.Tensor, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(members' rows scaled to unit mean RMS over the tokens, their raw energies E||k_m||^2)."""
+    energy = torch.einsum('mid,de,mie->m', member_rows, gram, member_rows)
+    scale = (energy / member_rows.shape[1]).clamp_min(1e-30).sqrt()
+    return member_rows / scale[:, None, None], energy
+
+
+def fit_shared_normed_key(member_rows: torch.Tensor, counts: torch.Tensor, gram: torch.Tensor,
+                          metric: torch.Tensor) -> NormedKeyFit:
+    """One compact key head of a per-head-normed family (module docstring) from its members' key rows
+    (members, d, D), their query-head counts (members,) and the per-dimension weights ``metric`` (d,)."""
+    gram = gram.double()
+    rows, energy = _unit_rms_heads(member_rows.double(), gram)
+    weighted = rows * metric.double().clamp_min(0).sqrt()[None, :, None]
+    cross = torch.einsum('mid,de,nie->mn', weighted, gram, weighted)
+    root = counts.double().clamp_min(0).sqrt()
+    moment = root[:, None] * cross * root[None, :]
+    values, vectors = torch.linalg.eigh(0.5 * (moment + moment.T))
+    top, w = values[-1].clamp_min(0), vectors[:, -1]
+    if float((w * root).sum()) < 0:  # equal members give their own key, not its negative
+        w = -w
+    shared = torch.einsum('m,mid->id', w * root, rows)
+    shared_energy = torch.einsum('id,de,ie->', shared, gram, shared)
+    # the shared key keeps the members' mean energy: the norm's eps then acts on it as on theirs
+    shared = shared * (energy.mean() / shared_energy.clamp_min(1e-30)).sqrt()
+    signs = torch.where(w >= 0, 1.0, -1.0).to(torch.float64)
+    total = float(torch.trace(moment))
+    return NormedKeyFit(shared, signs, max(total - float(top), 0.0), total)
+
+
+def normed_key_error(member_rows: torch.Tensor, counts: torch.Tensor, key_rows: torch.Tensor, gram: torch.Tensor,
+                     metric: torch.Tensor) -> tuple[float, float]:
+    """(objective, objective of a zero key) of ``fit_shared_normed_key`` for a given compact key's rows (d, D), with
+    each member's best scale and sign."""
+    gram = gram.double()
+    rows, _ = _unit_rms_heads(member_rows.double(), gram)
+    root_metric = metric.double().clamp_min(0).sqrt()
+    weighted, key = rows * root_metric[None, :, None], key_rows.double() * root_metric[:, None]
+    own = torch.einsum('mid,de,mie->m', weighted, gram, weighted)
+    cross = torch.einsum('mid,de,ie->m', weighted, gram, key)
+    key_energy = torch.einsum('id,de,ie->', key, gram, key).clamp_min(1e-30)
+    counts = counts.double()
+    total = float((counts * own).sum())
+    return max(float((counts * (own - cross ** 2 / key_energy)).sum()), 0.0), total
 
 
 def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,13 +298,18 @@ class LayerRefit:
 
 def refit_head_map_layer(source: dict[str, torch.Tensor], gram: torch.Tensor, head_dim: int, *,
                          source_kv_of_query: Sequence[int], query_source: Sequence[int],
-                         key_of_query: Sequence[int], value_of_query: Sequence[int]) -> LayerRefit:
+                         key_of_query: Sequence[int], value_of_query: Sequence[int],
+                         value_gram: torch.Tensor | None = None, key_metric: torch.Tensor | None = None) -> LayerRefit:
     """Refit one layer of a head-mapped model (GQA, AsymGQA, DHA: any key and value maps) to its source.
 
     ``source``: the source layer's ``q``, ``k``, ``v``, ``o`` weights; ``source_kv_of_query[s]``: the source K/V head
     of source query head s; ``query_source[h]``: the source query head that converted query head h derives from;
     ``key_of_query`` / ``value_of_query``: the converted map. Returns the converted layer's weights, in its order.
+    ``q``/``k`` rows have ``gram``'s width and ``v`` rows ``value_gram``'s (default ``gram``): with biases, the
+    augmented ones (``augmented_gram``). ``key_metric`` (d,): the family normalises each query and key head
+    (``fit_shared_normed_key``; queries then get only signs).
     """
+    value_gram = gram if value_gram is None else value_gram
     q_heads = split_heads(source['q'].double(), head_dim)
     if sorted(query_source) != list(range(q_heads.shape[0])):
         raise ValueError(f'query_source {list(query_source)} must be a permutation of the {q_heads.shape[0]} heads')
@@ -242,6 +322,15 @@ def refit_head_map_layer(source: dict[str, torch.Tensor], gram: torch.Tensor, he
     keys, key_residual, key_total = [], 0.0, 0.0
     for members in group_members(query_source, source_kv_of_query, key_of_query):
         rows = torch.stack([k_heads[source_head] for source_head, _ in members])
+        if key_metric is not None:
+            counts = torch.tensor([len(readers) for _, readers in members], dtype=torch.float64)
+            normed = fit_shared_normed_key(rows, counts, gram, key_metric)
+            keys.append(normed.rows)
+            key_residual, key_total = key_residual + normed.residual, key_total + normed.total
+            for index, (_, readers) in enumerate(members):
+                for head in readers:
+                    new_q[head] = q_heads[query_source[head]] * normed.signs[index]
+            continue
         weights = torch.stack([query_energy[[query_source[h] for h in readers]].sum(0) for _, readers in members])
         fit = fit_shared_key(rows, weights, gram)
         keys.append(fit.rows)
@@ -253,7 +342,7 @@ def refit_head_map_layer(source: dict[str, torch.Tensor], gram: torch.Tensor, he
     for members in group_members(query_source, source_kv_of_query, value_of_query):
         readers = [head for _, group in members for head in group]
         fit = fit_shared_value(torch.stack([v_heads[source_kv_of_query[query_source[h]]] for h in readers]),
-                               o_blocks[[query_source[h] for h in readers]], gram)
+                               o_blocks[[query_source[h] for h in readers]], value_gram)
         values.append(fit.rows)
         value_residual, value_total = value_residual + fit.residual, value_total + fit.total
         for index, head in enumerate(readers):
