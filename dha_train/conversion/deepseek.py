@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from dha_train import families
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
@@ -87,10 +88,10 @@ class DeepseekSettings:
 
 
 def check_source(config) -> None:
-    """Refuse what the format cannot carry, by name, before any work."""
-    if getattr(config, 'attention_bias', False):
-        raise ConfigError('convert --format deepseek: the source has attention biases; DeepseekV3Attention\'s q_proj '
-                          'and kv_b_proj have none')
+    """Refuse what the format cannot carry, by name, before any work: the family's features DeepseekV3's decoder
+    has no place for (biases, per-head q/k norms, sliding windows, Gemma's block: the family layer's refusals under
+    'mla_deepseek'), then a RoPE scaling it cannot carry."""
+    families.check('mla_deepseek', config, 'convert --format deepseek')
     scaling = getattr(config, 'rope_scaling', None) or {}
     rope_type = scaling.get('rope_type', scaling.get('type', 'default'))
     if rope_type not in CARRIED_ROPE_TYPES:
@@ -141,7 +142,7 @@ def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Con
         first_k_dense_replace=config.num_hidden_layers, kv_lora_rank=rank, q_lora_rank=None,
         qk_rope_head_dim=2 * pairs, qk_nope_head_dim=dim, v_head_dim=dim, hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=LATENT_NORM_EPS,
-        rope_theta=rope_theta_for_stride(config.rope_theta, dim, pairs, stride), rope_scaling=config.rope_scaling,
+        rope_theta=rope_theta_for_stride(config.rope_theta, dim, pairs, stride), rope_scaling=getattr(config, 'rope_scaling', None),
         rope_interleave=True, attention_bias=False, attention_dropout=config.attention_dropout,
         tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
@@ -263,14 +264,14 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
                           'scalar; the linear fit (the default) has no pin channel')
     if settings.freq_fold < 1:
         raise ConfigError(f'convert --format deepseek: --freq-fold must be at least 1, got {settings.freq_fold}')
-    if settings.data is None:
-        raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
-                          'latent and its norm fit are taken from the source\'s attention inputs')
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --format deepseek')
     refuse_nonempty(out_dir, overwrite)
     config = load_source_config(model_dir, who='convert --format deepseek')
     check_source(config)
+    if settings.data is None:
+        raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
+                          'latent and its norm fit are taken from the source\'s attention inputs')
     pairs, rank, source_values, quantized = budget(config, settings)
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
     batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,

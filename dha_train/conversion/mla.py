@@ -1,4 +1,6 @@
-"""The MLA conversion behind `dha-train convert --method mla`: an MHA or GQA LLaMA folder to multi-head latent attention (``ops.mla``).
+"""The MLA conversion behind `dha-train convert --method mla`: an MHA or GQA folder of any supported family
+(``dha_train.families``) to multi-head latent attention (``ops.mla``) inside that family's decoder
+(``models.modeling_mla``), its q/k norms and biases carried.
 
 Per layer: each K/V head's RoPE pairs folded into windows (FreqFold, ``ops.mla``: queries and keys re-based alike,
 so the window's top component can stay rotated), the pairs each K/V head keeps (MHA2MLA's 2-norm criterion over
@@ -6,7 +8,9 @@ calibration queries and keys, or a uniform / high-frequency choice, among the wi
 position-free keys and the values factored jointly into a latent (activation-aware SVD whitened by the calibration
 covariance of the attention input, or plain weight SVD), with ranks uniform or allocated from the spectra. The
 budget is a fraction of the source's K+V cache, in cache numbers per token (the unit of every method's KV bytes):
-``ranks + kv_heads * 2 * pairs`` per layer.
+``ranks + kv_heads * 2 * pairs`` per layer, plus one key scale per K/V head where a per-head k_norm (Qwen3,
+Gemma 3) meets position-free key dims. With q/k norms there is no FreqFold (the mix does not commute with the norms'
+weights) and the 2-norm pair scores are taken after the norms.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dha_train import families
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.model_card import card_stage, write_model_card
@@ -32,6 +37,7 @@ from dha_train.ops.mla import (
     folded_pair_bases,
     joint_latent_rows,
     kept_rope_pairs,
+    key_scales_per_layer,
     latent_energies,
     mix_head_pairs,
     mla_layer_weights,
@@ -42,6 +48,8 @@ from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.tokenizer_files import load_tokenizer_folder
 
 RANK_CHOICES = ('uniform', 'spectrum')
+# fields of a source config that name the source itself, not carried into the MLA config
+SOURCE_IDENTITY_FIELDS = ('model_type', 'architectures', 'auto_map', 'transformers_version', '_name_or_path')
 FACTORISATIONS = ('activation', 'weight')
 
 
@@ -86,12 +94,26 @@ def default_freq_fold(dims_per_head: int, rope_pairs: int) -> int:
     return max(1, (dims_per_head // 2) // rope_pairs) if rope_pairs else 1
 
 
-def resolved_settings(settings: MlaSettings, dims_per_head: int) -> MlaSettings:
-    """The settings with the RoPE pairs and the fold their defaults give for this head size."""
+def resolved_settings(settings: MlaSettings, dims_per_head: int, qk_norm: bool = False) -> MlaSettings:
+    """The settings with the RoPE pairs and the fold their defaults give for this head size; with per-head q/k
+    norms no fold by default (``check_family_settings``)."""
     pairs = (default_rope_pairs(dims_per_head, settings.cache_fraction) if settings.rope_pairs is None
              else settings.rope_pairs)
-    fold = default_freq_fold(dims_per_head, pairs) if settings.freq_fold is None else settings.freq_fold
+    fold = settings.freq_fold
+    if fold is None:
+        fold = 1 if qk_norm else default_freq_fold(dims_per_head, pairs)
     return replace(settings, rope_pairs=pairs, freq_fold=fold)
+
+
+def check_family_settings(settings: MlaSettings, family: families.Family) -> None:
+    """Refuse, in one line, a setting the family's attention cannot carry: FreqFold mixes the RoPE pairs of the
+    query and key projections, which q_norm/k_norm's per-dimension weights, applied after them, do not commute
+    with."""
+    if family.qk_norm and settings.freq_fold > 1:
+        raise ConfigError(f'convert --method mla: --freq-fold {settings.freq_fold} cannot carry {family.label} '
+                          "per-head q/k norms: the fold mixes the query and key RoPE pairs ahead of q_norm/k_norm, "
+                          "whose per-dimension weights do not commute with the mix; use --freq-fold 1 (this "
+                          "family's default)")
 
 
 def check_settings(settings: MlaSettings) -> None:
@@ -111,9 +133,10 @@ def check_settings(settings: MlaSettings) -> None:
                           'data (--data); or use --pair-criterion uniform --factorisation weight')
 
 
-def latent_budget(config, settings: MlaSettings) -> tuple[int, int]:
+def latent_budget(config, settings: MlaSettings, key_norm: bool = False) -> tuple[int, int]:
     """(total latent rank over the layers, the source's cache numbers per token) for the settings' cache fraction,
-    after the kept RoPE key dims are paid for."""
+    after the kept RoPE key dims (and, with a per-head k_norm, the key scales: ``ops.mla.key_scales_per_layer``) are
+    paid for."""
     layers, kv_heads, dim = config.num_hidden_layers, config.num_key_value_heads, head_dim(config)
     if settings.rope_pairs > dim // 2:
         raise ConfigError(f'mla: --rope-pairs {settings.rope_pairs} exceeds the {dim // 2} pairs of a '
@@ -125,7 +148,8 @@ def latent_budget(config, settings: MlaSettings) -> tuple[int, int]:
                           'each; keep fewer pairs or fold fewer')
     source_values = layers * 2 * kv_heads * dim
     budget = math.floor(settings.cache_fraction * source_values + 1e-9)
-    latent = budget - layers * kv_heads * 2 * settings.rope_pairs
+    scales = key_scales_per_layer(settings.rope_pairs, dim if key_norm else None)
+    latent = budget - layers * kv_heads * (2 * settings.rope_pairs + scales)
     if latent < layers:
         raise ConfigError(f'mla: a cache fraction of {settings.cache_fraction} ({budget} numbers per token over '
                           f'{layers} layers) leaves no latent after {settings.rope_pairs} RoPE pairs per head; '
@@ -141,8 +165,10 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
     check_model_folder(model_dir, who='convert --method mla')
     refuse_nonempty(out_dir, overwrite)
     config = load_source_config(model_dir, who='convert --method mla')
-    settings = resolved_settings(settings, head_dim(config))
-    total_latent, source_values = latent_budget(config, settings)
+    family = families.check('mla', config, 'convert --method mla')
+    settings = resolved_settings(settings, head_dim(config), family.qk_norm)
+    check_family_settings(settings, family)
+    total_latent, source_values = latent_budget(config, settings, family.qk_norm)
     model, source = load_source_model(model_dir, config, device=settings.device, who='convert --method mla')
     dim, kv_heads = head_dim(config), config.num_key_value_heads
 
@@ -175,6 +201,9 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
             if settings.freq_fold > 1:
                 query_states = mix_head_pairs(query_states, bases.to(query_states.device), dim, query_to_kv)
                 key_states = mix_head_pairs(key_states, bases.to(key_states.device), dim)
+            if family.qk_norm:  # the pairs' share of the scores after the norms, as attention sees them
+                query_states = _normed_heads(attention.q_norm, query_states, dim)
+                key_states = _normed_heads(attention.k_norm, key_states, dim)
             scores = rope_pair_scores(query_states, key_states, dim, query_to_kv)
         kept.append(kept_rope_pairs(kv_heads, dim, settings.rope_pairs, settings.pair_criterion, scores, centres))
         # each pair's key energy after the fold, diag(B^T M B) per head: no second pass over the weights
@@ -202,26 +231,13 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         raise ConfigError(f'mla: rank {max(ranks)} exceeds the {full} position-free key and value dims of a layer; '
                           'lower --cache-fraction or keep more RoPE pairs')
 
-    state = {name: tensor for name, tensor in model.state_dict().items()
-             if '.k_proj.' not in name and '.v_proj.' not in name}
-    for index, attention in enumerate(layers):
-        converted = mla_layer_weights(attention.k_proj.weight.detach(), attention.v_proj.weight.detach(),
-                                      kept[index], dim, ranks[index], covariances[index], settings.balance,
-                                      _bias(attention.k_proj), _bias(attention.v_proj))
-        prefix = f'model.layers.{index}.self_attn.'
-        state.update({prefix + name: tensor.float().cpu() for name, tensor in converted.items()})
+    mla_model = mla_model_of(model, family.model_type, kept, ranks, covariances, settings.balance)
     del model
-
-    settings_dict = {k: v for k, v in config.to_diff_dict().items() if k not in ('model_type', 'architectures')}
-    mla_config = MlaLlamaConfig(mla_ranks=[int(r) for r in ranks], mla_rope_pairs=[k.tolist() for k in kept],
-                                **settings_dict)
-    mla_model = MlaLlamaForCausalLM(mla_config)
-    missing, unexpected = mla_model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if not (name.endswith('lm_head.weight') and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f'mla conversion: weights do not match (missing {missing[:4]}, unexpected {unexpected[:4]})')
-    cached = cache_values_per_token(ranks, [settings.rope_pairs] * len(ranks), kv_heads)
-    report = {'ranks': [int(r) for r in ranks], 'rope_pairs': settings.rope_pairs, 'freq_fold': settings.freq_fold,
+    cached = cache_values_per_token(ranks, [settings.rope_pairs] * len(ranks), kv_heads,
+                                    dim if family.qk_norm else None)
+    report = {'family': family.model_type, 'ranks': [int(r) for r in ranks], 'rope_pairs': settings.rope_pairs,
+              'key_scales_per_kv_head': key_scales_per_layer(settings.rope_pairs, dim if family.qk_norm else None),
+              'freq_fold': settings.freq_fold,
               'rope_energy_kept': rotated_energy[0] / rotated_energy[1] if rotated_energy[1] else 0.0,
               'pair_criterion': settings.pair_criterion, 'factorisation': settings.factorisation,
               'balance': settings.balance, 'cache_values_per_token': cached, 'source_values_per_token': source_values,
@@ -235,6 +251,38 @@ def convert_to_mla(model_dir: str | Path, out_dir: str | Path, settings: MlaSett
         if (model_dir / 'tokenizer_config.json').is_file():
             load_tokenizer_folder(model_dir, 'convert --method mla').save_pretrained(staging)
     return report
+
+
+def mla_model_of(model, source_model_type: str, kept: list[torch.Tensor], ranks: list[int],
+                 covariances: list[torch.Tensor | None] | None = None, balance: str = 'none') -> MlaLlamaForCausalLM:
+    """The MLA model (float32, CPU) of a source model of the family ``source_model_type`` whose RoPE pairs are as
+    the conversion left them (folded or not): per layer the ``kept`` pairs (kv_heads, pairs) rotated and the
+    position-free keys and values factored at ``ranks`` (``ops.mla.mla_layer_weights``, K/V biases carried); every
+    other weight, q/k norms included, copied."""
+    config = model.config
+    dim = head_dim(config)
+    layers = attention_modules(model)
+    covariances = covariances or [None] * len(layers)
+    state = {name: tensor.float().cpu() for name, tensor in model.state_dict().items()
+             if '.k_proj.' not in name and '.v_proj.' not in name}
+    for index, attention in enumerate(layers):
+        converted = mla_layer_weights(attention.k_proj.weight.detach(), attention.v_proj.weight.detach(),
+                                      kept[index], dim, ranks[index], covariances[index], balance,
+                                      *_kv_biases(attention))
+        if attention.k_proj.bias is None:  # a value bias alone: the rotated keys have none
+            converted.pop('k_rope_proj.bias', None)
+        prefix = f'model.layers.{index}.self_attn.'
+        state.update({prefix + name: tensor.float().cpu() for name, tensor in converted.items()})
+    # every field of the source config (the family's classes read them), not only those off LLaMA's defaults
+    settings_dict = {k: v for k, v in config.to_dict().items() if k not in SOURCE_IDENTITY_FIELDS}
+    mla_config = MlaLlamaConfig(mla_ranks=[int(r) for r in ranks], mla_rope_pairs=[k.tolist() for k in kept],
+                                source_model_type=source_model_type, **settings_dict)
+    mla_model = MlaLlamaForCausalLM(mla_config).float()
+    missing, unexpected = mla_model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (name.endswith('lm_head.weight') and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f'mla conversion: weights do not match (missing {missing[:4]}, unexpected {unexpected[:4]})')
+    return mla_model
 
 
 def fold_query_and_key_pairs(attention, bases: torch.Tensor, dim: int, query_to_kv) -> None:
@@ -251,3 +299,20 @@ def fold_query_and_key_pairs(attention, bases: torch.Tensor, dim: int, query_to_
 
 def _bias(projection) -> torch.Tensor | None:
     return None if projection.bias is None else projection.bias.detach()
+
+
+def _kv_biases(attention) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key bias, value bias) of a source attention, both or neither (a missing one as zeros)."""
+    key, value = _bias(attention.k_proj), _bias(attention.v_proj)
+    if key is None and value is None:
+        return None, None
+    zeros = lambda projection: projection.weight.new_zeros(projection.out_features).detach()  # noqa: E731
+    return (zeros(attention.k_proj) if key is None else key), (zeros(attention.v_proj) if value is None else value)
+
+
+def _normed_heads(norm, states: torch.Tensor, dim: int) -> torch.Tensor:
+    """(tokens, heads * dim) projection outputs through a per-head norm (q_norm / k_norm)."""
+    with torch.no_grad():
+        weight = norm.weight
+        normed = norm(states.to(weight.device, weight.dtype).reshape(states.shape[0], -1, dim))
+    return normed.reshape(states.shape).to(states.device, states.dtype)

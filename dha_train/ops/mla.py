@@ -334,12 +334,22 @@ def allocate_latent_ranks(spectra: Sequence[torch.Tensor], total_rank: int, step
     return [units * step for units in picked]
 
 
-def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_kv_heads: int) -> int:
+def key_scales_per_layer(pairs: int, key_norm_head_dim: int | None) -> int:
+    """Key scales an MLA layer caches per K/V head and token: with a per-head k_norm (``key_norm_head_dim``, the head
+    width; None without one), each K/V head's 1 / rms for its position-free key dims, when it has any (fewer than
+    ``head_dim / 2`` pairs kept rotated); else none."""
+    return int(key_norm_head_dim is not None and 2 * int(pairs) < key_norm_head_dim)
+
+
+def cache_values_per_token(ranks: Sequence[int], kept_pairs: Sequence[int], num_kv_heads: int,
+                           key_norm_head_dim: int | None = None) -> int:
     """Numbers an MLA model caches per token over all layers: each layer's latent rank plus the rotated key part
-    (``2 * pairs`` dimensions for each of its K/V heads)."""
+    (``2 * pairs`` dimensions for each of its K/V heads) and, with a per-head k_norm, its key scales
+    (``key_scales_per_layer``)."""
     if len(ranks) != len(kept_pairs):
         raise ValueError(f'{len(ranks)} ranks for {len(kept_pairs)} layers of kept pairs')
-    return sum(int(rank) + 2 * int(pairs) * num_kv_heads for rank, pairs in zip(ranks, kept_pairs))
+    return sum(int(rank) + (2 * int(pairs) + key_scales_per_layer(pairs, key_norm_head_dim)) * num_kv_heads
+               for rank, pairs in zip(ranks, kept_pairs))
 
 
 def joint_latent_rows(k_weight: torch.Tensor, v_weight: torch.Tensor, kept_pairs: torch.Tensor, head_dim: int,
