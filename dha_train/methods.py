@@ -155,8 +155,8 @@ def _bake_fusion(config, weights):
     baked, key_partitions, value_partitions = bake_llama_state_dict(weights, head_dim(config))
     # The partitions are over the source's K/V heads (the query heads for MHA, the shared heads for GQA).
     head_map = HeadMap.from_source_partitions(HeadMap.from_hf_config(config), key_partitions, value_partitions)
-    settings = {key: value for key, value in _llama_settings(config).items() if key != 'num_key_value_heads'}
-    return DhaLlamaConfig(**{**settings, 'head_map': head_map.to_dict()}), baked
+    # The source family's settings and name (its decoder serves the DHA model; q/k norms and biases are kept).
+    return DhaLlamaConfig.for_source(config, head_map.to_dict(), drop=(METHOD_TAG,)), baked
 
 
 def _keep_group_heads(config, weights):

@@ -29,7 +29,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from dha_train import registry
+from dha_train import families, registry
 from dha_train.config import ConfigError
 from dha_train.distributed import unsharded
 from dha_train.methods import tag_method
@@ -106,6 +106,9 @@ class HeadFusion(Algorithm):
     def apply_surgery(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         hf = hf_model(model)
         config = hf.config
+        # The fused model is the source family's own class with these projections: its q/k norms and biases apply
+        # after the fused projection, as in the source.
+        families.check('dha', config, 'head_fusion')
         key_partitions, value_partitions = self.partitions(config)
         width = head_dim(config)
         self.projections = []

@@ -1,4 +1,5 @@
-"""Head search behind `dha-train search`: a head map (and its analysis plots) from an MHA or GQA LLaMA folder plus calibration data.
+"""Head search behind `dha-train search`: a head map (and its analysis plots) from an MHA or GQA source folder of any
+family (``dha_train.families``) plus calibration data.
 
 The units grouped are the source's own K/V heads: the query heads of an MHA model, the shared heads of a GQA one
 (``kv_heads`` and ``kv_budget`` count those); the map written is stated over the query heads.
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from dha_train import families
 from dha_train.calibration import CALIBRATION_FILE, CalibrationStats, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
 from dha_train.errors import InputNotFoundError
@@ -239,7 +241,9 @@ class _PooledLayerFitness:
     def __init__(self, model, batches: list[torch.Tensor], head_dim: int, criterion: str):
         self.model, self.batches, self.head_dim, self.criterion = model, batches, head_dim, criterion
         self.attention = attention_modules(model)
-        self.original = [(a.k_proj.weight.detach().clone(), a.v_proj.weight.detach().clone()) for a in self.attention]
+        # each layer's K and V projection tensors: the weights, and the biases where the family has them (Qwen2)
+        self.original = [[[tensor.detach().clone() for tensor in self._tensors(projection)]
+                          for projection in (a.k_proj, a.v_proj)] for a in self.attention]
         self.evaluations = 0
         self.reference = None
         if criterion == 'kl':
@@ -261,17 +265,22 @@ class _PooledLayerFitness:
         self.evaluations += 1
         return float(np.mean(values))
 
+    @staticmethod
+    def _tensors(projection) -> list[torch.Tensor]:
+        return [projection.weight] + ([projection.bias] if projection.bias is not None else [])
+
     @torch.no_grad()
     def set_layer(self, layer: int, partition: Partition | None) -> None:
-        """Mean-pool layer ``layer`` by ``partition`` (None restores the MHA weights)."""
+        """Mean-pool layer ``layer`` by ``partition``, weights and biases alike (None restores the MHA weights)."""
         attn = self.attention[layer]
-        for projection, original in zip((attn.k_proj, attn.v_proj), self.original[layer]):
-            if partition is None:
-                projection.weight.copy_(original)
-                continue
-            assignment = partition_to_assignment(partition, original.shape[0] // self.head_dim).tolist()
-            pooled = mean_pool_heads(original, assignment, self.head_dim)
-            projection.weight.copy_(gather_heads(pooled, assignment, self.head_dim))
+        for projection, originals in zip((attn.k_proj, attn.v_proj), self.original[layer]):
+            for tensor, original in zip(self._tensors(projection), originals):
+                if partition is None:
+                    tensor.copy_(original)
+                    continue
+                assignment = partition_to_assignment(partition, original.shape[0] // self.head_dim).tolist()
+                pooled = mean_pool_heads(original, assignment, self.head_dim)
+                tensor.copy_(gather_heads(pooled, assignment, self.head_dim))
 
     def for_layer(self, layer: int):
         cache: dict[tuple, float] = {}
@@ -318,7 +327,7 @@ def _asym_search(model, similarity: list[torch.Tensor], fitness_batches: list[to
 
 def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSettings, *,
                overwrite: bool = False) -> SearchResult:
-    """Search a head map for the MHA LLaMA in ``model_dir``; write head_map.json, search.json, similarity.pt and
+    """Search a head map for the MHA or GQA source model (of any family) in ``model_dir``; write head_map.json, search.json, similarity.pt and
     PNG plots to ``out_dir`` (replaced atomically; an existing non-empty folder needs ``overwrite``)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / 'config.json').is_file():
@@ -329,6 +338,8 @@ def run_search(model_dir: str | Path, out_dir: str | Path, settings: SearchSetti
                                               config.num_key_value_heads)
     width = head_dim(config)
     source_head_map(config, 'search')
+    # asym's map is served by the DHA class (AsymGQA); the other maps feed convert's mean-pool or DHA's Fusion
+    families.check('asym_gqa' if settings.method == 'asym' else 'mean_pool', config, 'search')
     _check_settings(settings, num_layers, num_heads)
     if settings.method != 'neighbour' and not Path(settings.data).is_dir():
         raise InputNotFoundError(f'search: calibration data folder {settings.data} does not exist')

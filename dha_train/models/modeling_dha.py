@@ -1,7 +1,14 @@
-"""Decoupled-head attention (DHA) LLaMA for HF transformers.
+"""Decoupled-head attention (DHA) for HF transformers, inside the decoder of any source family.
 
 Every layer has its own number of key heads and of value heads; a head map says which compact key head and which
 compact value head each query head reads. MHA (identity map), GQA and AsymGQA are special cases.
+
+The model is the source family's own decoder stack (``source_model_type``: llama, mistral, qwen2, qwen3 or
+gemma3_text; absent means llama): its embeddings (Gemma's scaled ones), its decoder layers (norms, MLP), its rotary
+embeddings (Gemma's local/global pair) and its forward, with only each layer's ``self_attn`` replaced by
+``DhaLlamaAttention``. That module takes from the family's own attention its q/o projections, q/k norms (applied
+before RoPE, after the compact K projection), scale and sliding window; its K/V projections have the compact head
+counts, with biases where the family has them.
 
 The KV cache stores only the compact heads, so a model at a 25% KV-head budget holds 25% of MHA's cache.
 
@@ -13,18 +20,22 @@ The KV cache stores only the compact heads, so a model at a 25% KV-head budget h
   flash-attention-2) as plain MHA (``expanded_attention``): there the copy is the size of the queries, and the fused
   kernels are worth more than avoiding it.
 
-This file is self-contained (torch and transformers only): ``save_pretrained`` copies it next to the weights, so an
-exported model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs
-under transformers 4.5x and 5.x alike (tests/commands/test_export_transformers5.py loads exports in both).
+This file is self-contained (torch and transformers only, plus ``family_classes.py``, the table of the families'
+transformers classes, which it imports relatively): ``save_pretrained`` copies both next to the weights (transformers
+copies a modeling file's relative imports with it, and fetches them again for ``trust_remote_code``), so an exported
+model loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere. It runs under
+transformers 4.5x and 5.x alike (tests/commands/test_export_transformers5.py loads exports in both).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
@@ -33,27 +44,88 @@ from transformers.models.llama.modeling_llama import (
     LlamaModel,
     LlamaPreTrainedModel,
     LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
 
+from .family_classes import FAMILY_CLASSES, FamilyClasses, family_classes
+
+# Settings a family's config class defines that a DHA config does not take from it: the K/V head count is the head
+# map's, per layer.
+_NOT_FROM_FAMILY = ("num_key_value_heads", "model_type", "architectures", "auto_map", "transformers_version")
+
+
+@functools.lru_cache(maxsize=1)
+def _omissible_keys() -> frozenset[str]:
+    """Keys that ``PretrainedConfig.to_diff_dict`` leaves out of a saved config when their value equals both
+    PretrainedConfig's and LlamaConfig's default (``pad_token_id`` None, ...). A DHA config of another family saves
+    those of them that differ from its family's defaults (``DhaLlamaConfig.to_diff_dict``), so that a key a loaded
+    config lacks means the family's default."""
+    base, llama = PretrainedConfig().to_dict(), LlamaConfig().to_dict()
+    return frozenset(key for key, value in base.items() if llama.get(key, value) == value)
+
+
+def _family_defaults(classes: FamilyClasses, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The source family's config defaults for the settings ``kwargs`` lacks (Gemma 3's query_pre_attn_scalar,
+    layer_types, rope_local_base_freq, pad_token_id, ...), derived by the family's own config class from the
+    settings given."""
+    if classes.config is LlamaConfig:
+        return {}
+    family = classes.config(**kwargs).to_dict()
+    return {key: value for key, value in family.items() if key not in kwargs and key not in _NOT_FROM_FAMILY}
+
 
 class DhaLlamaConfig(LlamaConfig):
-    """A ``LlamaConfig`` plus ``head_map``.
+    """A ``LlamaConfig`` plus ``head_map`` and ``source_model_type``, holding every setting of the source family's
+    config (built from its full ``to_dict()``; the family's defaults fill any it lacks).
 
     ``head_map`` is ``{'head_dim': d, 'num_query_heads': H, 'layers': [{'key': [...], 'value': [...]}, ...]}``:
     per layer, for every query head, the index of its compact key head and of its compact value head. ``None`` means
-    MHA (every query head has its own key and value head).
+    MHA (every query head has its own key and value head). ``source_model_type`` names the family whose decoder the
+    model is built from (a key of ``family_classes.FAMILY_CLASSES``; None means llama); given a source config's dict
+    (``to_dict()`` or ``to_diff_dict()``) instead, its ``model_type`` names the family. ``for_source`` builds one
+    from a source config.
     """
 
     model_type = "dha_llama"
 
-    def __init__(self, head_map: Optional[dict[str, Any]] = None, **kwargs):
+    def __init__(self, head_map: Optional[dict[str, Any]] = None, source_model_type: Optional[str] = None, **kwargs):
+        # A source config's own dict names its family in model_type (``DhaLlamaConfig(**qwen2_config.to_dict())``); a
+        # saved DHA config's says dha_llama. Either way the instance keeps the class's model_type.
+        named = kwargs.pop("model_type", None)
+        if source_model_type is None and named in FAMILY_CLASSES:
+            source_model_type = named
+        if source_model_type is not None:
+            kwargs = {**_family_defaults(family_classes(source_model_type), kwargs), **kwargs}
         super().__init__(**kwargs)
+        self.source_model_type = source_model_type
         self.head_map = head_map
         if head_map is not None:
             self._validate_head_map()
+    @classmethod
+    def for_source(cls, source: PretrainedConfig, head_map: Optional[dict[str, Any]],
+                   drop: tuple[str, ...] = ()) -> "DhaLlamaConfig":
+        """The DHA config of a model converted from ``source`` (a family's config, or a project config that names
+        its family in ``source_model_type``): every setting of ``source.to_dict()`` but its class identity, its K/V
+        head count and the keys in ``drop``, with ``head_map`` and the family."""
+        model_type = getattr(source, "model_type", None)
+        family = model_type if model_type in FAMILY_CLASSES else getattr(source, "source_model_type", None)
+        family_classes(family)  # a family outside the table is refused here
+        settings = {key: value for key, value in source.to_dict().items()
+                    if key not in _NOT_FROM_FAMILY and key not in drop
+                    and key not in ("head_map", "source_model_type")}
+        return cls(head_map=head_map, source_model_type=family or "llama", **settings)
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """transformers' diff, plus the keys it drops as LLaMA's defaults where the source family's defaults differ
+        (Gemma 3's ``pad_token_id`` None), so that loading fills only what was the family's default."""
+        diff = super().to_diff_dict()
+        classes = family_classes(self.source_model_type)
+        if classes.config is not LlamaConfig:
+            full, family = self.to_dict(), classes.config().to_dict()
+            diff.update({key: full[key] for key in sorted(_omissible_keys())
+                         if key in full and key not in diff and family.get(key) != full[key]})
+        return diff
 
     def _validate_head_map(self) -> None:
         head_map = self.head_map
@@ -91,18 +163,27 @@ class DhaLlamaConfig(LlamaConfig):
 
 
 class DhaLlamaAttention(nn.Module):
-    """LLaMA attention whose K and V projections have their own (per-layer) numbers of heads."""
+    """The source family's attention with K and V projections of their own (per-layer) numbers of heads.
 
-    def __init__(self, config: DhaLlamaConfig, layer_idx: int):
+    Built from the family's attention module of this layer (``source``; by default a new one): its q/o projections,
+    its q_norm/k_norm if it has them, its scale and its sliding window are kept, and its K/V projections are replaced
+    by compact ones (with a bias where the family's have one)."""
+
+    def __init__(self, config: DhaLlamaConfig, layer_idx: int, source: Optional[nn.Module] = None):
         super().__init__()
+        if source is None:
+            source = family_classes(config.source_model_type).attention(config, layer_idx)
         self.config = config
         self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = source.head_dim
         # K/V are expanded to all query heads before the attention call, so HF's repeat_kv must be a no-op.
         self.num_key_value_groups = 1
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
+        self.scaling = source.scaling  # Gemma 3: query_pre_attn_scalar ** -0.5
+        self.attention_dropout = source.attention_dropout
         self.is_causal = True
+        # Qwen2/Qwen3/Gemma 3 state it per layer; Mistral reads its config's (one window for every layer).
+        self.sliding_window = getattr(source, "sliding_window", getattr(config, "sliding_window", None))
+        self.is_sliding = getattr(source, "is_sliding", self.sliding_window is not None)  # Gemma's layer reads it
 
         key_index, value_index = config.layer_head_map(layer_idx)
         self.num_key_heads = max(key_index) + 1
@@ -112,11 +193,17 @@ class DhaLlamaAttention(nn.Module):
         self.register_buffer("value_index", torch.tensor(value_index, dtype=torch.long), persistent=False)
         self._register_groups(key_index, value_index)
 
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = source.q_proj
+        self.k_proj = self._compact(source.k_proj, self.num_key_heads)
+        self.v_proj = self._compact(source.v_proj, self.num_value_heads)
+        self.o_proj = source.o_proj
+        self.q_norm = getattr(source, "q_norm", None)
+        self.k_norm = getattr(source, "k_norm", None)
+
+    def _compact(self, projection: nn.Linear, heads: int) -> nn.Linear:
+        weight = projection.weight
+        return nn.Linear(projection.in_features, heads * self.head_dim, bias=projection.bias is not None,
+                         device=weight.device, dtype=weight.dtype)
 
     @staticmethod
     def _groups(index: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -168,6 +255,8 @@ class DhaLlamaAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)      # (B, H_K, T, D)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)    # (B, H_V, T, D)
 
+        if self.q_norm is not None:  # per-head RMSNorms over head_dim (Qwen3, Gemma 3), before RoPE
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         # RoPE is per head and position, so rotating the compact keys equals rotating the expanded ones.
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -182,7 +271,8 @@ class DhaLlamaAttention(nn.Module):
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, cache_kwargs)
 
-        if cache is not None and input_shape[1] == 1 and not self.training:
+        if cache is not None and input_shape[1] == 1 and not self.training and self._mask_holds_window(
+                attention_mask, key_states.shape[2]):
             attn_output, attn_weights = self.grouped_attention(query_states, key_states, value_states, attention_mask)
         else:
             attn_output, attn_weights = self.expanded_attention(query_states, key_states, value_states,
@@ -190,6 +280,14 @@ class DhaLlamaAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+    def _mask_holds_window(self, attention_mask, source_length: int) -> bool:
+        """Whether the grouped path, which reads the window from the mask alone, sees this layer's sliding window:
+        the eager and SDPA masks of a sliding layer hold it (SDPA's is None only when every position is visible);
+        flash-attention's padding mask does not, so such a step past the window takes the expanded kernel, which
+        is given the window."""
+        return (self.sliding_window is None or source_length <= self.sliding_window
+                or (attention_mask is not None and attention_mask.dim() == 4))
 
     def expanded_attention(self, query_states, key_states, value_states, attention_mask, **kwargs):
         """The compact K/V expanded to one head per query head, then the configured kernel as plain MHA:
@@ -209,6 +307,7 @@ class DhaLlamaAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )
 
@@ -242,43 +341,65 @@ class DhaLlamaAttention(nn.Module):
         return output.transpose(1, 2), weights
 
 
-class DhaLlamaDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: DhaLlamaConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.self_attn = DhaLlamaAttention(config=config, layer_idx=layer_idx)
+
+
+def _dha_decoder_layer(classes: FamilyClasses, config: DhaLlamaConfig, layer_idx: int) -> nn.Module:
+    """The family's own decoder layer with its attention replaced by the DHA one (built from it)."""
+    layer = classes.decoder_layer(config, layer_idx)
+    layer.self_attn = DhaLlamaAttention(config, layer_idx, source=layer.self_attn)
+    return layer
 
 
 class DhaLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = DhaLlamaConfig
-    _no_split_modules = ["DhaLlamaDecoderLayer"]
+    _no_split_modules = sorted({classes.decoder_layer.__name__ for classes in FAMILY_CLASSES.values()})
     # A static cache preallocates num_key_value_heads for every layer; DHA layers differ, so use a dynamic cache.
     _supports_static_cache = False
     # transformers 5.x records attention weights (output_attentions) from the modules of these classes.
     _can_record_outputs = {"hidden_states": LlamaDecoderLayer, "attentions": DhaLlamaAttention}
 
+    @property
+    def family(self) -> FamilyClasses:
+        """The transformers classes of the source family (``config.source_model_type``)."""
+        return family_classes(self.config.source_model_type)
+
     def _init_weights(self, module):
         super()._init_weights(module)
+        # The family's norms (Qwen3/Gemma 3 q/k norms, Gemma's four a layer) start as LLaMA's (and, in 4.5x, their
+        # own classes') do; LlamaRMSNorm is done above.
+        if isinstance(module, self.family.norm) and not isinstance(module, LlamaRMSNorm):
+            module.weight.data.fill_(1.0)
         # transformers 5.x builds the model on the meta device and leaves non-persistent buffers empty until here.
         if isinstance(module, DhaLlamaAttention):
             module.reset_head_index()
 
 
 class DhaLlamaModel(DhaLlamaPreTrainedModel, LlamaModel):
+    """The source family's decoder stack (its ``...Model``: embeddings, rotary embeddings, final norm, forward) with
+    DHA decoder layers. For LLaMA it is a ``LlamaModel``; for another family the family model's own ``__init__``
+    builds every part but the layers, which are built one at a time (so no full MHA stack is ever held), and its
+    ``forward`` runs."""
+
     def __init__(self, config: DhaLlamaConfig):
-        # LlamaModel.__init__ would first build a full set of MHA-shaped layers; build the DHA ones directly.
         LlamaPreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        classes = family_classes(config.source_model_type)
+        shell_config = copy.copy(config)
+        shell_config.num_hidden_layers = 0
+        shell = classes.model(shell_config)  # the family's embeddings, norm, rotary embeddings; no layers
+        for name, child in shell.named_children():
+            setattr(self, name, child)
+        for name, value in vars(shell).items():  # plain attributes its forward reads (Qwen2's has_sliding_layers)
+            if name not in vars(self) and not name.startswith("_") and not isinstance(value, nn.Module):
+                setattr(self, name, value)
         self.layers = nn.ModuleList(
-            [DhaLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+            [_dha_decoder_layer(classes, config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
-
         self.post_init()
+
+    @functools.wraps(LlamaModel.forward)
+    def forward(self, *args, **kwargs):
+        return self.family.model.forward(self, *args, **kwargs)
 
 
 class DhaLlamaForCausalLM(DhaLlamaPreTrainedModel, LlamaForCausalLM):
@@ -290,8 +411,15 @@ class DhaLlamaForCausalLM(DhaLlamaPreTrainedModel, LlamaForCausalLM):
 
         self.post_init()
 
+    # The family's causal-LM forward (Gemma 3's final logit softcapping), under LLaMA's signature, which every family
+    # shares (generate reads it).
+    @functools.wraps(LlamaForCausalLM.forward)
+    def forward(self, *args, **kwargs):
+        return self.family.causal_lm.forward(self, *args, **kwargs)
 
-# save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
+
+# save_pretrained then writes ``auto_map`` into config.json and copies this file (and family_classes.py, which it
+# imports) next to the weights.
 DhaLlamaConfig.register_for_auto_class()
 DhaLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
