@@ -31,6 +31,12 @@ from dha_train.ops.mla import cache_values_per_token, kept_rope_pairs, pair_key_
 from helpers import refused_in_one_line
 
 DIM = 16  # head_dim of every tiny family model (tests/family_models.py)
+# every family, and the windows of Mistral (every layer, from its config) and Qwen2 (the layers past
+# max_window_layers) beside Gemma 3's, each shorter than the test sequences
+CASES = [(name, {}) for name in FAMILY_NAMES] + [
+    ('mistral', {'sliding_window': 6}),
+    ('qwen2', {'use_sliding_window': True, 'sliding_window': 6, 'max_window_layers': 1})]
+CASE_IDS = [name + ('-window' if overrides else '') for name, overrides in CASES]
 
 
 def _source(model_type: str, kv_heads: int = 1, **overrides):
@@ -65,11 +71,14 @@ def _rope_off_but(model, kept_pairs: list[int]):
 
 
 @pytest.mark.parametrize('kv_heads', [1, 2])
-@pytest.mark.parametrize('model_type', FAMILY_NAMES)
+@pytest.mark.parametrize('model_type, overrides', CASES, ids=CASE_IDS)
 def test_full_rank_mla_is_the_source_and_one_kept_pair_is_the_source_without_rope_on_the_others(model_type,
+                                                                                                  overrides,
                                                                                                   kv_heads):
-    source = _source(model_type, kv_heads)
+    source = _source(model_type, kv_heads, **overrides)
     every_pair = _mla(source, pairs=DIM // 2)
+    windows = [layer.self_attn.sliding_window for layer in every_pair.model.layers]
+    assert windows == families.get(model_type).sliding_windows(source.config)
     assert type(every_pair.model.layers[0]) is families.get(model_type).classes.decoder_layer
     torch.testing.assert_close(logits_of(every_pair), logits_of(source), rtol=0, atol=1e-4)
 
@@ -77,7 +86,7 @@ def test_full_rank_mla_is_the_source_and_one_kept_pair_is_the_source_without_rop
     attention = one_pair.model.layers[0].self_attn
     assert (attention.q_norm is not None) == families.get(model_type).qk_norm == attention.caches_key_scale
     assert not torch.allclose(logits_of(one_pair), logits_of(source), atol=1e-3)
-    rope_off = _rope_off_but(_source(model_type, kv_heads), [0])
+    rope_off = _rope_off_but(_source(model_type, kv_heads, **overrides), [0])
     torch.testing.assert_close(logits_of(one_pair), logits_of(rope_off), rtol=0, atol=1e-4)
 
 
@@ -87,10 +96,10 @@ def _stored_numbers(cache, layers: int) -> int:
     return sum(cache.key_cache[i].numel() + cache.value_cache[i].numel() for i in range(layers))
 
 
-@pytest.mark.parametrize('model_type', FAMILY_NAMES)
-def test_latent_decode_equals_the_whole_forward_and_the_cache_holds_the_stated_numbers(model_type):
-    """Past Gemma's 6-token window too: the decode steps attend to the window the family's layer does."""
-    model = _mla(_source(model_type, kv_heads=2), pairs=1, rank_cut=7)
+@pytest.mark.parametrize('model_type, overrides', CASES, ids=CASE_IDS)
+def test_latent_decode_equals_the_whole_forward_and_the_cache_holds_the_stated_numbers(model_type, overrides):
+    """Past the 6-token windows too: the decode steps attend to the window the family's layer does."""
+    model = _mla(_source(model_type, kv_heads=2, **overrides), pairs=1, rank_cut=7)
     config = model.config
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -205,3 +214,25 @@ def test_convert_writes_deepseeks_format_from_a_mistral_folder(tmp_path, tokeniz
     model = load_causal_lm(tmp_path / 'ds', who='test').float().eval()
     assert type(model) is DeepseekV3ForCausalLM
     assert torch.isfinite(logits_of(model)).all()
+
+
+def test_the_latent_decode_keeps_the_sliding_window_that_a_two_d_padding_mask_lacks():
+    """flash-attention-2 passes a (B, S) padding mask, which holds no window: a decode step of a sliding layer then
+    attends to the last ``window`` keys as the 4-D sliding mask of SDPA and eager says."""
+    model = _mla(_source('gemma3_text', kv_heads=1), pairs=1, rank_cut=3)
+    attention = model.model.layers[0].self_attn
+    window, batch, length = attention.sliding_window, 2, 10
+    assert attention.is_sliding and window == 6
+    generator = torch.Generator().manual_seed(6)
+    query_nope = torch.randn(batch, 4, 1, attention.nope_width, generator=generator)
+    query_rope = torch.randn(batch, 4, 1, attention.rope_width, generator=generator)
+    latent = torch.randn(batch, 1, length, attention.rank, generator=generator)
+    value_slot = torch.rand(batch, 1, length, attention.cache_width, generator=generator) + 0.5
+    in_window = torch.zeros(batch, 1, 1, length)
+    in_window[..., :length - window] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        from_2d, weights = attention.latent_attention(query_nope, query_rope, latent, value_slot,
+                                                      torch.ones(batch, length, dtype=torch.long))
+        from_4d, _ = attention.latent_attention(query_nope, query_rope, latent, value_slot, in_window)
+    torch.testing.assert_close(from_2d, from_4d, rtol=0, atol=1e-6)
+    assert float(weights[..., :length - window].abs().max()) == 0.0

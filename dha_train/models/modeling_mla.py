@@ -1,43 +1,36 @@
 """Multi-head latent attention (MLA) for HF transformers, converted from an MHA or GQA model of any source family.
 
-The model is the source family's own decoder stack (``source_model_type`` in the config: LLaMA, Mistral, Qwen2,
-Qwen3, Gemma 3; absent means LLaMA, the only family of earlier exports): its embeddings (Gemma's scaled ones), its
-decoder layers (norms, MLP), its rotary embeddings (Gemma's local/global pair) and its forward, with only each
-layer's ``self_attn`` replaced by ``MlaLlamaAttention``. That module takes from the family's own attention its q/o
-projections (with their biases), its q_norm/k_norm if it has them, its scale and its sliding window.
-
-Per layer, each K/V head keeps some RoPE pairs rotated (pair ``i`` is dimensions ``i`` and ``i + d/2``, the
-``rotate_half`` layout every family here uses); the rest of the key and all of the value come from one latent per
-token:
+The model is the source family's own decoder stack (``source_model_type``: llama, mistral, qwen2, qwen3 or
+gemma3_text; absent means llama, the only family of earlier exports): its embeddings, decoder layers, rotary
+embeddings (Gemma's local/global pair) and forward, with only each layer's ``self_attn`` replaced by
+``MlaLlamaAttention``, which keeps the family attention's q/o projections (and biases), q_norm/k_norm, scale and
+sliding window. Per layer, each K/V head keeps some RoPE pairs rotated (pair ``i`` is dimensions ``i`` and
+``i + d/2``, the ``rotate_half`` layout of every family here); the rest of the key and all of the value come from
+one latent per token:
 
     c = kv_down_proj(x)                          # (rank,)       cached
     k_rope = RoPE(k_rope_proj(x))                # (kv_heads, 2 * pairs), cached
     [k_nope; v] = kv_up_proj(c)                  # per K/V head: the position-free key dims, then the value
 
-A query head scores a key by ``q_nope . k_nope + RoPE(q_rope) . k_rope``, its dimensions split the same way as its
-K/V head's. The cache (transformers' own ``DynamicCache``) holds only ``c`` and ``k_rope``: ``rank + kv_heads * 2 *
-pairs`` numbers per token and layer. K/V biases (Qwen2) ride on ``k_rope_proj`` and ``kv_up_proj`` (a bias is a
-constant row after the up-projection), so nothing is lost at full rank.
+A query head scores a key by ``q_nope . k_nope + RoPE(q_rope) . k_rope``, its dimensions split like its K/V head's.
+The cache (transformers' ``DynamicCache``) holds ``c`` in its key slot and ``k_rope`` in its value slot: ``rank +
+kv_heads * 2 * pairs`` numbers per token and layer. K/V biases (Qwen2) ride on ``k_rope_proj`` and ``kv_up_proj``.
 
-**A per-head k_norm** (Qwen3, Gemma 3) normalises the whole key head, position-free and rotated dims together, before
-RoPE: ``k = w * x / rms(x)``. The norm's weight does not commute with RoPE and its RMS needs every dim of the head,
-so when a token is written its full pre-norm head is rebuilt (``x_nope`` from the new latent, ``x_rope`` from
-``k_rope_proj``), the rotated part is normed and then rotated as the family does, and each K/V head's ``1 / rms(x)``
-is cached beside it (one more number per K/V head and token); the position-free keys read from the latent later are
-``w_nope * x_nope / rms(x)`` with that cached factor. RoPE thus stays at write time (no cached position is needed
-again) and the model is the source at full rank. The cache holds ``rank + kv_heads * (2 * pairs + 1)`` numbers per
-token and layer.
+A per-head **k_norm** (Qwen3, Gemma 3) norms the whole key head before RoPE, ``w * x / rms(x)``; its weight does not
+commute with RoPE and its RMS needs every dim. So a new token's pre-norm head is rebuilt when it is written
+(``x_nope`` from its latent), the rotated dims are normed and then rotated as the family does, and each K/V head's
+``1 / rms(x)`` is cached beside them (``kv_heads`` more numbers per token and layer; none when every pair stays
+rotated); the position-free keys read from the latent later are ``w_nope * x_nope`` times that factor. RoPE stays
+at write time, and full rank is the source.
 
-- Training and prefill expand ``c`` to keys and values and call the standard attention kernels (eager, SDPA,
+- Training and prefill expand ``c`` to keys and values and call the standard kernels (eager, SDPA,
   flash-attention-2) with the family's scaling and sliding window.
-- Decode (one new token, a cache, eval mode) absorbs the up-projection: keys into the query
-  (``q_nope @ U_k`` scores against ``c`` directly) and values into the output (``(attn @ c) @ U_v^T``), so a step
-  reads only the latent cache.
+- Decode (one new token, a cache, eval mode) absorbs the up-projection: keys into the query (``q_nope @ U_k``
+  scores against ``c`` directly) and values into the output (``(attn @ c) @ U_v^T``), reading only the cache.
 
-With every pair kept and the full rank it is the source model. This file is self-contained (torch and transformers
-only, plus ``family_classes.py``, the table of the families' transformers classes, which it imports relatively and
-``save_pretrained`` copies with it), so an exported folder loads with ``trust_remote_code=True`` where dha_train is
-not installed.
+With every pair kept and the full rank it is the source model. The file is self-contained (torch and transformers,
+plus ``family_classes.py``, imported relatively, which ``save_pretrained`` copies beside it) so an exported folder
+loads with ``trust_remote_code=True`` where dha_train is not installed.
 """
 
 from __future__ import annotations
