@@ -1,7 +1,9 @@
 """``AttentionTransfer``: layer-wise, teacher-forced local distillation of a converted attention to its source.
 
 At ``Event.INIT`` (before the FSDP wrap) every decoder layer gets the source's attention for that layer beside its
-own, as ``layer.transfer_source``: frozen, in the same decoder-layer module, so FSDP2 shards and gathers both in one
+own, as ``layer.transfer_source``: the source family's own attention class (``dha_train.families``: its biases, q/k
+norms, scale and sliding window; the layer passes it the same position embeddings and mask as its own attention, so
+Gemma's local/global RoPE and sliding-window layers are the source's), frozen, in the same decoder-layer module, so FSDP2 shards and gathers both in one
 unit. Only the source's attention weights are read (``safetensors`` per tensor), so memory is one model plus one
 extra attention per layer. A forward hook on each layer's own attention then runs the source attention on the same
 input and returns the SOURCE's output to the layer: the residual stream is the source's (teacher forcing), and the
@@ -40,12 +42,11 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from safetensors import safe_open
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from dha_train import registry
+from dha_train import families, registry
 from dha_train.config import ConfigError
 from dha_train.methods import TRAINING_ONLY_MODULES
-from dha_train.model_folders import check_model_folder, load_source_config, safetensors_shards
+from dha_train.model_folders import SOURCE_MODEL_TYPES, check_model_folder, load_source_config, safetensors_shards
 from dha_train.models.llama_layout import hf_model, train_only_attention
 
 SOURCE_MODULE = TRAINING_ONLY_MODULES[0]
@@ -85,7 +86,7 @@ class AttentionTransfer(Algorithm):
             raise ValueError(f"attention_transfer: trainable must be 'attention' (each converted attention learns its "
                              f"source's output on the source's stream), got '{trainable}'; train the rest with "
                              'distillation (trainable: all)')
-        check_model_folder(source_path, who='attention_transfer source_path', model_types=('llama',))
+        check_model_folder(source_path, who='attention_transfer source_path', model_types=SOURCE_MODEL_TYPES)
         self.source_path = Path(source_path)
         self.weight, self.lm_weight, self.trainable = weight, lm_weight, trainable
         self._layers: list[nn.Module] = []
@@ -104,23 +105,30 @@ class AttentionTransfer(Algorithm):
                 raise ConfigError(f'attention_transfer: the source has {key}={getattr(source_config, key)}, the '
                                   f'model {getattr(model.config, key)}')
         source_config._attn_implementation = model.config._attn_implementation
+        family = families.of(source_config, 'attention_transfer source_path')
+        student_family = families.source_model_type(model.config)
+        if student_family in families.FAMILIES and student_family != source_config.model_type:
+            raise ConfigError(f'attention_transfer: the model is built on {student_family}, the source is a '
+                              f'{source_config.model_type} model: not a conversion of this source')
         # A student whose RoPE differs from the source's (DeepSeek's format: one shared key of other width and
-        # frequencies) passes position embeddings the source cannot use: the hook then makes the source's own.
+        # frequencies) passes position embeddings the source cannot use: the hook then makes the source's own, one
+        # RoPE for every layer (the families DeepSeek's format takes have no per-layer RoPE; check refuses others).
         self._source_rope = None
         if getattr(model.config, 'qk_rope_head_dim', None) is not None:
-            self._source_rope = LlamaRotaryEmbedding(source_config)
+            families.check('mla_deepseek', source_config, 'attention_transfer')
+            self._source_rope = family.classes.rotary(source_config)
         layers = model.model.layers
         on_meta = next(model.parameters()).device.type == 'meta'
-        names = [f'model.layers.{index}.self_attn.{proj}.{kind}' for index in range(len(layers))
-                 for proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj')
-                 for kind in (('weight', 'bias') if source_config.attention_bias else ('weight',))]
-        tensors = {} if on_meta else _source_tensors(self.source_path, names)
         train_only_attention(model)
         # Building draws random initial weights; forking keeps them out of the training RNG streams (exact resume).
         with torch.random.fork_rng():
-            for index, layer in enumerate(layers):
-                with torch.device('meta' if on_meta else 'cpu'):
-                    source = LlamaAttention(source_config, layer_idx=index)
+            with torch.device('meta' if on_meta else 'cpu'):
+                sources = [family.classes.attention(source_config, layer_idx=index) for index in range(len(layers))]
+            # exactly the tensors the family's attention has (its biases and q/k norms included)
+            names = [f'model.layers.{index}.self_attn.{key}' for index, source in enumerate(sources)
+                     for key in source.state_dict()]
+            tensors = {} if on_meta else _source_tensors(self.source_path, names)
+            for index, (layer, source) in enumerate(zip(layers, sources)):
                 if not on_meta:
                     prefix = f'model.layers.{index}.self_attn.'
                     source.load_state_dict({name[len(prefix):]: value for name, value in tensors.items()
