@@ -1,11 +1,11 @@
 """`dha-train export-gguf IN OUT.gguf`: an HF folder the project wrote (or any plain LLaMA folder) as one GGUF file
-that llama.cpp serves (llama-server, ollama, LM Studio); ``dha_train.gguf_io`` does the work."""
+that llama.cpp serves (llama-server, ollama, LM Studio); ``dha_train.gguf_export`` does the work."""
 
 from __future__ import annotations
 
 import argparse
 
-from dha_train.gguf_io import OUTTYPES, export_gguf
+from dha_train.gguf_export import OUTTYPES, export_gguf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

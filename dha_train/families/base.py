@@ -33,6 +33,31 @@ class Feature:
     present: Callable[[object], bool]
 
 
+# HF decoder-layer norms -> llama.cpp's tensor names (LLaMA's two norms a layer)
+LLAMA_NORMS = (('input_layernorm', 'attn_norm'), ('post_attention_layernorm', 'ffn_norm'))
+
+
+@dataclass(frozen=True)
+class LlamaCppLayout:
+    """How the family's llama.cpp architecture reads a GGUF file (``dha_train.gguf_export`` writes it so), as the
+    llama.cpp vendored in llama-cpp-python 0.3.36 loads it (``src/models/<arch>.cpp``, ``llama_model_rope_type``)."""
+    # NORM RoPE (llama, deci: adjacent pairs) needs HF's half-split Q/K rows reordered; NEOX (qwen2, qwen3, gemma3)
+    # rotates the halves as HF does
+    rope_pairs_adjacent: bool = True
+    # the architecture that takes a different K/V head count per layer, or None when the family's has none
+    per_layer_arch: str | None = None
+    # (HF name under model.layers.N, GGUF name under blk.N) of every norm of a layer, ``.weight`` left off
+    norms: tuple[tuple[str, str], ...] = LLAMA_NORMS
+    norm_offset: float = 0.0  # what the HF norm adds to its weight (Gemma's 1 + w); the file holds w + offset
+    biases: tuple[str, ...] = PROJECTIONS  # projections whose bias the architecture loads
+    rope_freqs: bool = True  # loads a ``rope_freqs`` tensor (LLaMA-3.x's 'llama3' RoPE scaling)
+    # reads a window, a per-layer sliding-window pattern and the sliding layers' RoPE theta (given by this)
+    sliding_rope_theta: Callable[[object], float] | None = None
+    # the softmax scale the engine applies whatever the file says, when it has a fixed one (gemma3); the exporter
+    # folds the ratio to the family's ``attention_scale`` into attn_q_norm (Q is normed, rotated, then scaled)
+    engine_attention_scale: Callable[[object], float] | None = None
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -48,6 +73,7 @@ class Family:
     features: tuple[Feature, ...] = ()
     # method or command -> {feature name: why it cannot carry it}; a method absent here carries every feature
     refusals: dict[str, dict[str, str]] = field(default_factory=dict)
+    llama_cpp: LlamaCppLayout = LlamaCppLayout()  # how its llama.cpp architecture reads a GGUF
 
     @property
     def config_class(self) -> type:
@@ -116,3 +142,14 @@ def all_or_none_biases(config) -> tuple[str, ...]:
 ATTENTION_BIAS = Feature('attention biases', biased)
 QK_NORM = Feature('per-head q/k norms', lambda config: True)
 SLIDING_WINDOW_LAYERS = Feature('sliding-window layers', has_sliding_window_layers)
+
+
+def per_layer_kv_heads(config) -> bool:
+    """A DHA/AsymGQA config whose layers keep different K/V head counts."""
+    head_map = getattr(config, 'head_map', None)
+    if not head_map:
+        return False
+    return len({len(set(layer['key'])) for layer in head_map['layers']}) > 1
+
+
+PER_LAYER_KV_HEADS = Feature('per-layer K/V head counts', per_layer_kv_heads)

@@ -63,7 +63,7 @@ from dha_train.commands.bench.serve_tables import (  # noqa: F401  (the tables a
 from dha_train.config import ConfigError
 from dha_train.data.loaders import split_sequences
 from dha_train.engine_process import EngineCrashedError, EngineProcess
-from dha_train.gguf_io import GgufExportError, export_gguf
+from dha_train.gguf_export import GgufExportError, export_gguf
 from dha_train.llama_cpp_engine import CACHE_TYPES, LlamaCppError, LlamaCppModel, LlamaCppSequences
 
 # (name in the table, bench real method, budget); the source's row has method 'teacher' there
