@@ -1,8 +1,10 @@
-"""Calibration: run a LLaMA model over N tokens and keep, per layer, what the head searches need.
+"""Calibration: run a source model of any family (``dha_train.families``) over N tokens and keep, per layer, what
+the head searches and the refit need.
 
-For each layer and each recorded kind (``key``: k_proj output before RoPE, ``value``: v_proj output, ``output``:
-the per-head attention output entering o_proj, ``query``: q_proj output before RoPE, ``input``: the normed hidden
-state entering the K/V projections, one "head" of the hidden size) it accumulates a ``RunningGram`` (sum of x x^T
+For each layer and each recorded kind (``key``: k_proj output before RoPE, and before k_norm in the families that
+have one; ``value``: v_proj output; ``output``: the per-head attention output entering o_proj; ``query``: q_proj
+output before RoPE and q_norm; ``input``: the normed hidden state entering the K/V projections, one "head" of the
+hidden size) it accumulates a ``RunningGram`` (sum of x x^T
 over tokens, the sum of x and the count; every cross-covariance between two heads is a block of it) and,
 optionally, a uniform random sample of token rows for the measures that are quadratic in tokens (AsymGQA Eq. 1).
 Memory is bounded by the layer widths and the sample size, never by N. The same tokens are sampled for every layer and kind.
@@ -38,7 +40,7 @@ CALIBRATION_FILE = 'calibration.pt'
 
 
 class CalibrationError(DhaTrainError, ValueError):
-    """Calibration cannot run as asked (too little data, unknown kinds, a model without LLaMA attention)."""
+    """Calibration cannot run as asked (too little data, unknown kinds, a model without a family's attention)."""
 
 
 @dataclass
