@@ -35,11 +35,12 @@ loads with ``trust_remote_code=True`` where dha_train is not installed.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -55,6 +56,11 @@ from .family_classes import DEFAULT_SOURCE, FAMILY_CLASSES, family_classes
 
 # A family config's fields that name the model itself: never taken from the family's defaults.
 _IDENTITY_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version")
+
+
+@functools.lru_cache(maxsize=1)
+def _base_fields() -> frozenset:
+    return frozenset(PretrainedConfig().to_dict())
 
 
 class MlaLlamaConfig(LlamaConfig):
@@ -75,9 +81,12 @@ class MlaLlamaConfig(LlamaConfig):
         super().__init__(**kwargs)
         self.source_model_type = source_model_type
         if source_model_type not in (None, DEFAULT_SOURCE):
-            defaults = family_classes(source_model_type).config(**kwargs).to_dict()  # refuses a type outside the table
-            for key, value in defaults.items():
-                if key not in _IDENTITY_FIELDS and not hasattr(self, key):
+            # the family's own config class derives what the fields given leave out (Gemma 3's layer_types, and
+            # under transformers 5.x its per-layer-type rope_parameters); only PretrainedConfig's own fields,
+            # which to_diff_dict leaves out when they equal its and LLaMA's defaults, keep LLaMA's value
+            family = family_classes(source_model_type).config(**kwargs).to_dict()  # refuses a type outside the table
+            for key, value in family.items():
+                if key not in kwargs and key not in _IDENTITY_FIELDS and key not in _base_fields():
                     setattr(self, key, value)
         self.mla_ranks = mla_ranks
         self.mla_rope_pairs = mla_rope_pairs
