@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from family_models import FAMILY_NAMES, save_tiny_family_model
+from family_models import FAMILY_NAMES, save_tiny_family_model, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from dha_train import families
@@ -59,6 +59,19 @@ def _llama_cpp_gelu(model) -> None:
         layer.mlp.act_fn = F16Gelu()
 
 
+def _assert_llama_cpp_logits(family, model, prompt: list[int], found: np.ndarray, expected: np.ndarray) -> None:
+    """llama.cpp's logits against transformers' (for Gemma, also against transformers with llama.cpp's GELU)."""
+    gap = np.abs(found - expected).max()
+    if family.llama_cpp.norm_offset:  # Gemma: GELU is llama.cpp's f16 table
+        assert gap < GEMMA_TOLERANCE, gap
+        _llama_cpp_gelu(model)
+        with torch.no_grad():
+            emulated = model(torch.tensor([prompt])).logits[0].numpy()
+        assert np.abs(found - emulated).max() < min(GEMMA_F16_GELU_TOLERANCE, gap), np.abs(found - emulated).max()
+    else:
+        assert gap < LOGIT_TOLERANCE, gap
+
+
 @pytest.fixture(scope='module')
 def folders(tmp_path_factory, tokenizer_dir) -> dict[tuple[str, str], Path]:
     """Per family, a GQA source (2 K/V heads of 4) and its mean-pool to 1 K/V head made by `dha-train convert`."""
@@ -75,10 +88,12 @@ def folders(tmp_path_factory, tokenizer_dir) -> dict[tuple[str, str], Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['source', 'mean_pool'])
 @pytest.mark.parametrize('name', FAMILY_NAMES)
-def test_each_family_runs_in_its_own_llama_cpp_architecture_as_in_transformers(name, kind, folders, tmp_path):
+def test_each_family_runs_in_its_own_llama_cpp_architecture_as_in_transformers(name, kind, folders, tmp_path, capsys):
     family, folder = families.get(name), folders[name, kind]
     out = tmp_path / f'{name}.gguf'
     assert main(['export-gguf', str(folder), str(out), '--outtype', 'f32']) == 0
+    printed = capsys.readouterr().out
+    assert f'({family.llama_cpp_arch}, f32, ' in printed and f'a {family.label} model' in printed
     reader = gguf.GGUFReader(out)
     arch = family.llama_cpp_arch
     assert _field(reader, 'general.architecture') == arch
@@ -100,15 +115,7 @@ def test_each_family_runs_in_its_own_llama_cpp_architecture_as_in_transformers(n
     with EngineProcess(LlamaCppModel, out, n_ctx=128, all_logits=True, cache_type='f32', flash_attention=False) as engine:
         assert engine.tokenize(text, add_special=True) == tokenizer(text)['input_ids']
         found = engine.logits(prompt)
-    gap = np.abs(found - expected).max()
-    if family.llama_cpp.norm_offset:  # Gemma: GELU is llama.cpp's f16 table
-        assert gap < GEMMA_TOLERANCE, gap
-        _llama_cpp_gelu(model)
-        with torch.no_grad():
-            emulated = model(torch.tensor([prompt])).logits[0].numpy()
-        assert np.abs(found - emulated).max() < min(GEMMA_F16_GELU_TOLERANCE, gap), np.abs(found - emulated).max()
-    else:
-        assert gap < LOGIT_TOLERANCE, gap
+    _assert_llama_cpp_logits(family, model, prompt, found, expected)
 
 
 @pytest.mark.parametrize('name', FAMILY_NAMES)
@@ -149,6 +156,66 @@ def test_a_per_layer_mistral_dha_runs_as_deci_and_a_per_layer_qwen2_is_refused(t
     line = refused_in_one_line(['export-gguf', str(tmp_path / 'qwen2-dha'), str(tmp_path / 'q.gguf')], tmp_path, capfd)
     assert 'per-layer K/V head counts' in line and "'qwen2'" in line
     assert not (tmp_path / 'q.gguf').exists()
+
+
+# 2 K/V heads a layer, the query heads out of group order, K and V numbering the same groups differently
+UNIFORM = [{'key': [0, 1, 1, 0], 'value': [1, 0, 0, 1]}, {'key': [1, 0, 0, 1], 'value': [1, 0, 0, 1]}]
+
+
+def _servable_dha(folder: Path, name: str, tokenizer_dir: Path) -> Path:
+    """A DHA model built on the family's decoder (``source_model_type``) with ``UNIFORM``'s map, random biases and
+    norm weights as ``family_models`` gives its sources."""
+    from dha_train.models.modeling_dha import DhaLlamaConfig, DhaLlamaForCausalLM
+
+    source = tiny_config(name, **SETTINGS)
+    config = DhaLlamaConfig.for_source(source, {'head_dim': families.head_dim(source), 'num_query_heads': 4,
+                                                'layers': UNIFORM})
+    torch.manual_seed(5)
+    model = DhaLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith('.bias'):
+                parameter.normal_(0.0, 0.3)
+            elif 'norm' in parameter_name:
+                parameter.normal_(0.0 if name == 'gemma3_text' else 1.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['qwen2', 'qwen3', 'gemma3_text'])
+def test_a_servable_dha_of_one_count_runs_in_the_family_architecture(name, tmp_path, tokenizer_dir):
+    """The query-head permutation folded into q_proj (rows, with the q bias) and o_proj (columns) and the K/V rows
+    (with their biases) taken in group order, under a NEOX architecture (no pair reordering)."""
+    folder, out = _servable_dha(tmp_path / f'{name}-dha', name, tokenizer_dir), tmp_path / f'{name}.gguf'
+    assert main(['export-gguf', str(folder), str(out), '--outtype', 'f32']) == 0
+    assert _field(gguf.GGUFReader(out), 'general.architecture') == families.get(name).llama_cpp_arch
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    assert model.config.model_type == 'dha_llama' and model.config.source_model_type == name
+    prompt = list(range(5, 45))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    with EngineProcess(LlamaCppModel, out, n_ctx=64, all_logits=True, cache_type='f32', flash_attention=False) as engine:
+        found = engine.logits(prompt)
+    _assert_llama_cpp_logits(families.get(name), model, prompt, found, expected)
+
+
+@pytest.mark.slow
+def test_llama_attention_biases_are_carried(tmp_path, tokenizer_dir):
+    """llama.cpp's 'llama' loads q/k/v and o biases: the q/k biases are pair-reordered as their rows are."""
+    folder = save_tiny_family_model(tmp_path / 'llama', 'llama', tokenizer_dir, seed=6, attention_bias=True,
+                                    num_key_value_heads=2, **SETTINGS)
+    out = tmp_path / 'llama.gguf'
+    assert main(['export-gguf', str(folder), str(out), '--outtype', 'f32']) == 0
+    assert {f'blk.0.attn_{name}.bias' for name in ('q', 'k', 'v', 'output')} <= {
+        tensor.name for tensor in gguf.GGUFReader(out).tensors}
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    prompt = list(range(5, 45))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    with EngineProcess(LlamaCppModel, out, n_ctx=64, all_logits=True, cache_type='f32', flash_attention=False) as engine:
+        assert np.abs(engine.logits(prompt) - expected).max() < LOGIT_TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------------------------
