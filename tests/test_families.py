@@ -4,6 +4,8 @@ matrix in docs/families.md is the family layer's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from family_models import FAMILY_NAMES, logits_of, save_tiny_family_model, tiny_model
@@ -82,3 +84,61 @@ def test_aligned_gqa_transfer_with_closed_gates_exports_the_group_heads_in_the_f
     exported.load_state_dict(weights)
     assert exported.config.num_key_value_heads == 2
     torch.testing.assert_close(logits_of(exported), logits_of(model.eval()), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope='module')
+def healed(tmp_path_factory, data_root, tokenizer_dir):
+    """Per family: a source, its mean-pool to 2 K/V heads, 4 batches of KL healing from the source in-process (the
+    tiny healing recipe), the export of that checkpoint, and the held-out losses before and after."""
+    from dha_train.config import load_config
+    from dha_train.train import train
+    from helpers import REPO
+
+    runs = {}
+    for model_type in FAMILY_NAMES:
+        root = tmp_path_factory.mktemp(f'heal-{model_type}')
+        save_tiny_family_model(root / 'source', model_type, tokenizer_dir)
+        assert main(['convert', str(root / 'source'), str(root / 'pooled'), '--kv-heads', '2']) == 0
+        overrides = [f'variables.model_path={root / "pooled"}', f'variables.source_path={root / "source"}',
+                     f'variables.data_root={data_root}', f'variables.save_root={root}', 'variables.steps=4ba',
+                     'variables.lr=3e-3', 'fsdp=null', 'global_train_batch_size=4', 'device_train_microbatch_size=4',
+                     'device_eval_batch_size=4', 'save_interval=4ba', 'eval_loader.subset_num_batches=2']
+        trainer = train(load_config(REPO / 'yamls' / 'healing' / 'tiny_kl.yaml', overrides))
+        trainer.close()
+        assert main(['export', str(root / 'tiny-kl'), str(root / 'healed')]) == 0
+        runs[model_type] = root
+    return runs
+
+
+@pytest.mark.parametrize('model_type', FAMILY_NAMES)
+def test_a_healed_export_of_each_family_is_its_own_class_and_trained(healed, model_type):
+    root = healed[model_type]
+    exported = load_causal_lm(root / 'healed', who='test').float().eval()
+    pooled = load_causal_lm(root / 'pooled', who='test').float().eval()
+    assert type(exported) is families.get(model_type).causal_lm_class
+    assert exported.config.num_key_value_heads == 2
+    moved = [name for name, value in exported.state_dict().items()
+             if not torch.equal(value, pooled.state_dict()[name])]
+    assert moved and all('self_attn' in name for name in moved), moved  # healing trains the attention alone
+    header = (root / 'healed' / 'README.md').read_text()
+    assert f'{families.get(model_type).label} family' in header
+
+
+@pytest.mark.parametrize('model_type', FAMILY_NAMES)
+def test_eval_and_plan_run_on_each_family(healed, model_type, data_root, tmp_path, capsys):
+    from helpers import REPO
+
+    root = healed[model_type]
+    assert main(['eval', str(root / 'healed'), '--tasks', 'arc_easy', '--limit', '4', '--data', str(data_root),
+                 '--out', str(tmp_path / 'eval')]) == 0
+    results = json.loads((tmp_path / 'eval' / 'eval_results.json').read_text())
+    assert 0.0 <= results['scores']['arc_easy']['acc'] <= 1.0
+    capsys.readouterr()
+    assert main(['plan', str(REPO / 'yamls' / 'healing' / 'tiny_kl.yaml'), f'variables.model_path={root / "healed"}',
+                 f'variables.source_path={root / "source"}', f'variables.data_root={data_root}',
+                 f'variables.save_root={tmp_path}', '--world-size', '2', '--json']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    student = load_causal_lm(root / 'healed', who='test')
+    # every parameter of the family's model is planned for (tied embeddings are counted once per use there)
+    assert plan['parameters'] >= sum(p.numel() for p in student.parameters()) and plan['layers'] == 2, plan
+    assert plan['peak_gib'] > 0, plan
