@@ -218,6 +218,24 @@ def test_llama_attention_biases_are_carried(tmp_path, tokenizer_dir):
         assert np.abs(engine.logits(prompt) - expected).max() < LOGIT_TOLERANCE
 
 
+@pytest.mark.slow
+def test_gemma_final_logit_soft_capping_is_carried(tmp_path, tokenizer_dir):
+    """Gemma 3's optional final soft-capping (``cap * tanh(logits / cap)``), read by llama.cpp's gemma3."""
+    folder = save_tiny_family_model(tmp_path / 'gemma', 'gemma3_text', tokenizer_dir, seed=7,
+                                    final_logit_softcapping=2.0, **SETTINGS)
+    out = tmp_path / 'gemma.gguf'
+    assert main(['export-gguf', str(folder), str(out), '--outtype', 'f32']) == 0
+    assert _field(gguf.GGUFReader(out), 'gemma3.final_logit_softcapping') == 2.0
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    prompt = list(range(5, 45))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(expected).max() < 2.0  # capped
+    with EngineProcess(LlamaCppModel, out, n_ctx=64, all_logits=True, cache_type='f32', flash_attention=False) as engine:
+        found = engine.logits(prompt)
+    _assert_llama_cpp_logits(families.get('gemma3_text'), model, prompt, found, expected)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Refusals: exit 2, one line, nothing written
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,6 +246,7 @@ REFUSED = {
     'qwen2 sliding windows': ('qwen2', {'use_sliding_window': True, 'sliding_window': 8, 'max_window_layers': 1},
                               'Qwen2 sliding-window layers'),
     'mistral sliding window': ('mistral', {'sliding_window': 8}, 'Mistral sliding-window attention'),
+    'gemma3 attention soft-capping': ('gemma3_text', {'attn_logit_softcapping': 50.0}, 'no attention logit soft-capping'),
 }
 
 
