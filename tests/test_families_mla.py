@@ -178,7 +178,8 @@ DEEPSEEK_REFUSALS = [('llama', {'attention_bias': True}, 'attention biases'),
                      ('gemma3_text', {}, 'per-head q/k norms')]
 
 
-@pytest.mark.parametrize('model_type, overrides, feature', DEEPSEEK_REFUSALS)
+@pytest.mark.parametrize('model_type, overrides, feature', DEEPSEEK_REFUSALS,
+                         ids=[case[0] for case in DEEPSEEK_REFUSALS])
 def test_deepseek_format_refuses_a_feature_its_decoder_cannot_carry_in_one_line(model_type, overrides, feature,
                                                                                tmp_path, capfd):
     save_tiny_family_model(tmp_path / 'source', model_type, **overrides)
