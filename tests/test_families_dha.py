@@ -301,3 +301,62 @@ def test_the_asym_fitness_pools_k_and_v_biases_with_the_weights():
     pooled.set_layer(1, None)
     assert all(torch.equal(tensor, original) for tensor, original in
                zip((model.model.layers[1].self_attn.k_proj.bias, model.model.layers[1].self_attn.v_proj.bias), before))
+
+
+@pytest.mark.parametrize('model_type', ['qwen2', 'gemma3_text'])
+def test_search_then_fusion_then_export_on_a_family_folder(tmp_path, data_root, tokenizer_dir, model_type):
+    """DHA's chain on a family folder (Qwen2's biases; Gemma 3's norms, windows and scale), single process: the
+    Search run (head_fusion warm-up + head_search) meets the budget, a short Fusion run on its map trains the
+    family's own class, and the export bakes it into a DHA model of the family with the searched map, its compact
+    k/v biases included, that decodes with a cache of that map."""
+    from dha_train.config import load_config
+    from dha_train.export import export_hf
+    from dha_train.train import train
+    from helpers import tiny_recipe
+
+    source = save_tiny_family_model(tmp_path / 'source', model_type, tokenizer_dir)
+    search_out = tmp_path / 'search'
+    search = tiny_recipe(data_root, tokenizer_dir, max_duration='4ba', optimizer={'lr': 1.0e-5},
+                         algorithms={'head_fusion': {'warmup_groups': 1, 'stop_at_threshold': False,
+                                                     'lambda_init': 5.0, 'margin_warmup_steps': 0}},
+                         callbacks={'head_search': {'out': str(search_out), 'kv_budget': 0.5}})
+    search['model'] = {'pretrained_path': str(source)}
+    train(load_config(search)).close()
+    searched = HeadMap.load(search_out / 'head_map.json')
+    assert sum(k + v for k, v in searched.kv_heads()) == 8  # half of 2 layers x 4 heads x (K + V)
+
+    fusion = tiny_recipe(data_root, tokenizer_dir, max_duration='3ba', save_folder=str(tmp_path / 'ckpt'),
+                         save_interval='1000ba', algorithms={'head_fusion': {'head_map': str(search_out / 'head_map.json')}})
+    fusion['model'] = {'pretrained_path': str(source)}
+    trainer = train(load_config(fusion))
+    assert type(trainer.state.model.model) is families.get(model_type).causal_lm_class
+    trainer.close()
+
+    out = export_hf(tmp_path / 'ckpt', tmp_path / 'hf')
+    dha = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(dha) is DhaLlamaForCausalLM and dha.config.source_model_type == model_type
+    assert HeadMap.from_dict(dha.config.head_map) == searched
+    biased = 'k_proj' in families.get(model_type).biased_projections(dha.config)
+    for attention, (keys, values) in zip((layer.self_attn for layer in dha.model.layers), searched.kv_heads()):
+        assert (attention.num_key_heads, attention.num_value_heads) == (keys, values)
+        assert (attention.k_proj.bias is not None) == biased and (attention.v_proj.bias is not None) == biased
+        if biased:
+            assert attention.k_proj.bias.shape == (keys * WIDTH,) and bool(attention.k_proj.bias.abs().sum() > 0)
+    ids = torch.randint(0, 384, (1, 4), generator=torch.Generator().manual_seed(0))
+    generated = dha.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             use_cache=True, return_dict_in_generate=True, pad_token_id=0)
+    assert [(k.shape[1], v.shape[1]) for k, v in generated.past_key_values] == searched.kv_heads()
+
+
+def test_head_distances_count_a_k_or_v_bias_as_a_column_of_the_projection():
+    """Two heads with equal weight rows and different biases compute different keys: Eq. 6's distance on
+    ``[W | b]`` sees it (the Search groups what heads compute), and without a bias nothing changes."""
+    from dha_train.ops.fusion import group_members, head_distances, kronecker_omega, with_bias_column
+
+    weight = torch.randn(WIDTH, 8, generator=torch.Generator().manual_seed(0)).repeat(2, 1)  # heads 0, 1 alike
+    bias = torch.cat([torch.zeros(WIDTH), torch.ones(WIDTH)])
+    members = group_members([[0, 1]], 2)
+    omega = kronecker_omega(members, WIDTH)
+    assert float(head_distances(weight, omega, members)[0][0, 1]) == pytest.approx(0.0, abs=1e-9)
+    assert float(head_distances(with_bias_column(weight, bias), omega, members)[0][0, 1]) == pytest.approx(WIDTH / 2, rel=1e-6)
+    assert with_bias_column(weight, None) is weight

@@ -45,6 +45,7 @@ from dha_train.ops.fusion import (
     lagrangian_penalty,
     progressive_sizes,
     split_into_subgroups,
+    with_bias_column,
 )
 from dha_train.ops.grouping import Partition, neighbour_groups
 from dha_train.optim import add_param_group
@@ -155,8 +156,10 @@ class HeadFusion(Algorithm):
                 if size == projection.members.shape[1]:
                     subgroups = groups
                 else:
-                    distance, _ = head_distances(unsharded(projection.weight).float().cpu(),
-                                                 unsharded(projection.omega).float().cpu(), projection.members.cpu())
+                    bias = None if projection.bias is None else unsharded(projection.bias).float().cpu()
+                    rows = with_bias_column(unsharded(projection.weight).float().cpu(), bias)
+                    distance, _ = head_distances(rows, unsharded(projection.omega).float().cpu(),
+                                                 projection.members.cpu())
                     subgroups = split_into_subgroups(distance, groups, size,
                                                      previous[layer][kind] if previous else None,
                                                      seed=self.progressive_seed)

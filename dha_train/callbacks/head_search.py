@@ -2,7 +2,8 @@
 
 It runs beside ``head_fusion`` with ``warmup_groups: 1`` (every layer's K heads form one warm-up group, and so do
 its V heads) for a short run (about 240 steps at paper scale). Every ``interval`` batches it gathers each layer's
-K and V head distances: the weight-space form of Eq. 6, L(h, h') = 1/g ||W^(h) - W^(h')||^2, drives the grouping,
+K and V head distances: the weight-space form of Eq. 6, L(h, h') = 1/g ||W^(h) - W^(h')||^2 (a k/v bias, as Qwen2
+has, is one more column of W: ``ops.fusion.with_bias_column``), drives the grouping,
 and the omega-only form of Eq. 7 is logged and saved beside it. At the end of the run, on the mean distances:
 
 1. a DP picks each layer's K and V counts so that they sum exactly to ``kv_budget`` of the source's K+V heads (MHA's,
@@ -55,7 +56,7 @@ from dha_train.ops.budget import (
     totals_text,
     whole_head_count,
 )
-from dha_train.ops.fusion import head_distances
+from dha_train.ops.fusion import head_distances, with_bias_column
 from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.plots import plot_head_similarity, plot_kv_allocation
 
@@ -148,8 +149,9 @@ class HeadSearch(Callback):
         weight, omega = [], []
         for key, value in fusion.projections:
             for projection in (key, value):
-                ws, om = head_distances(unsharded(projection.weight).float(), unsharded(projection.omega).float(),
-                                        projection.members)
+                bias = None if projection.bias is None else unsharded(projection.bias).float()
+                rows = with_bias_column(unsharded(projection.weight).float(), bias)  # a k/v bias counts (Qwen2)
+                ws, om = head_distances(rows, unsharded(projection.omega).float(), projection.members)
                 weight.append(ws.cpu())
                 omega.append(om.cpu())
         num_layers = len(fusion.projections)

@@ -75,6 +75,12 @@ def fusion_loss(omegas: Sequence[torch.Tensor], members: Sequence[torch.Tensor])
     return sum(squares for squares, _ in terms) / count
 
 
+def with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A projection's rows with its bias as one more input column, ``[W | b]`` acting on ``[x; 1]``: Eq. 6's head
+    distance on it compares what two heads compute, bias included (Qwen2's k/v biases). ``weight`` when no bias."""
+    return weight if bias is None else torch.cat([weight, bias.to(weight.dtype)[:, None]], dim=1)
+
+
 def head_distances(source: torch.Tensor, omega: torch.Tensor, members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, H) head distances for the Search stage, one kind of one layer.
 
