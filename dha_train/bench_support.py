@@ -82,7 +82,7 @@ def bench_source(work: Path, source: str, say=print) -> Path:
     imported from."""
     if (Path(source) / 'config.json').is_file():
         return Path(source).resolve()
-    from dha_train.gguf_io import PROVENANCE_FILE, import_gguf, resolve_source
+    from dha_train.gguf_import import PROVENANCE_FILE, import_gguf, resolve_source
 
     folder = work / Path(source).name.removesuffix('.gguf')
     path, _ = resolve_source(source)

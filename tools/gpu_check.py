@@ -80,7 +80,7 @@ def prepare(args, work: Path) -> tuple[Path, Path]:
 
     source = Path(args.source)
     if not (source / 'config.json').is_file():
-        from dha_train.gguf_io import import_gguf
+        from dha_train.gguf_import import import_gguf
 
         folder = work / 'source'
         if not (folder / 'config.json').is_file():

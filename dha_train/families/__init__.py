@@ -15,12 +15,21 @@ from dha_train.families import gemma3, llama, mistral, qwen2, qwen3
 from dha_train.families.base import COMMANDS, METHODS, PROJECTIONS, Family, FamilyError, head_dim
 
 __all__ = ['COMMANDS', 'FAMILIES', 'METHODS', 'PROJECTIONS', 'Family', 'FamilyError', 'OWN_MODEL_TYPES',
-           'SOURCE_MODEL_TYPE', 'check', 'get', 'head_dim', 'of', 'source_model_type', 'supported']
+           'SOURCE_MODEL_TYPE', 'LLAMA_CPP_ARCHS', 'by_llama_cpp_arch', 'check', 'get', 'head_dim', 'of',
+           'source_model_type', 'supported']
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in
                                (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)}
 SOURCE_MODEL_TYPE = 'source_model_type'  # config attribute of the project's own classes: their source family
 OWN_MODEL_TYPES = ('dha_llama', 'moh_llama', 'mla_llama')
+# llama.cpp's architectures of the families' GGUF files (Mistral's are 'llama')
+LLAMA_CPP_ARCHS = tuple(dict.fromkeys(family.llama_cpp_arch for family in FAMILIES.values()))
+
+
+def by_llama_cpp_arch(architecture: str) -> Family | None:
+    """The family a GGUF of llama.cpp's ``architecture`` is imported as (the first registered: a 'llama' file is
+    LLaMA, as llama.cpp runs it), or None."""
+    return next((family for family in FAMILIES.values() if family.llama_cpp_arch == architecture), None)
 
 
 def supported() -> tuple[str, ...]:

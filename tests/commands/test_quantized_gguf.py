@@ -17,7 +17,7 @@ import pytest
 
 from dha_train.cli import main
 from dha_train.engine_process import EngineProcess, run_isolated
-from dha_train.gguf_io import resolve_source
+from dha_train.gguf_import import resolve_source
 from dha_train.llama_cpp_engine import LlamaCppModel, quantize_gguf
 from helpers import free_port, save_tiny_llama
 
