@@ -90,6 +90,15 @@ def test_moh_export_of_a_family_run_is_the_moh_class_of_that_family(model_type):
     torch.testing.assert_close(logits_of(model), logits_of(trained.eval()), rtol=0, atol=1e-6)
 
 
+def test_moh_model_of_a_soft_capped_gemma_caps_its_logits_as_gemma_does():
+    source = tiny_model('gemma3_text', final_logit_softcapping=2.0)
+    model = MohLlamaForCausalLM(MohLlamaConfig.from_source(source.config, moh_shared_heads=4, moh_top_k=0)).eval()
+    model.load_state_dict(source.state_dict())
+    logits = logits_of(model)
+    assert float(logits.abs().max()) <= 2.0
+    torch.testing.assert_close(logits, logits_of(source), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize('model_type', ['qwen2', 'gemma3_text'])
 def test_moh_sparse_decode_equals_dense_decode_with_biases_and_sliding_windows(model_type):
     """Gemma's window (6) is shorter than the prompt: a sliding layer skips heads only over its windowed mask."""

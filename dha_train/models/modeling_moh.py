@@ -363,14 +363,26 @@ for _key, _classes in FAMILY_CLASSES.items():
                                                   {"__module__": __name__, "__qualname__": _name})
 
 
+class SoftCappedLinear(nn.Linear):
+    """The LM head of a family that soft-caps its logits (Gemma's ``final_logit_softcapping``): cap * tanh(z / cap),
+    so the causal LM's own forward (and loss) see the capped logits, as the family's own causal LM computes them."""
+
+    def __init__(self, in_features: int, out_features: int, cap: float):
+        super().__init__(in_features, out_features, bias=False)
+        self.cap = float(cap)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(hidden) / self.cap) * self.cap
+
+
 class MohLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = MohLlamaConfig
     _no_split_modules = ["LlamaDecoderLayer"]  # each model names its family's decoder layer
 
 
 class MohLlamaForCausalLM(MohLlamaPreTrainedModel, LlamaForCausalLM):
-    """The source family's decoder stack (``source_model_type``) with MoH attention in every layer, and an LM head;
-    Gemma's final logit soft-capping, where a config sets it, as Gemma applies it."""
+    """The source family's decoder stack (``source_model_type``) with MoH attention in every layer, and an LM head
+    (soft-capped where the config sets ``final_logit_softcapping``, as Gemma's causal LM caps its logits)."""
 
     def __init__(self, config: MohLlamaConfig):
         LlamaPreTrainedModel.__init__(self, config)
@@ -380,21 +392,11 @@ class MohLlamaForCausalLM(MohLlamaPreTrainedModel, LlamaForCausalLM):
         for layer in self.model.layers:
             layer.self_attn = MohLlamaAttention.from_attention(layer.self_attn, config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False) if cap is None
+                        else SoftCappedLinear(config.hidden_size, config.vocab_size, cap))
 
         self.post_init()
-
-    def forward(self, *args, **kwargs):
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap is None:
-            return super().forward(*args, **kwargs)
-        labels = kwargs.pop("labels", None)
-        outputs = super().forward(*args, **kwargs)
-        outputs.logits = torch.tanh(outputs.logits / cap) * cap
-        if labels is not None:
-            outputs.loss = self.loss_function(outputs.logits, labels, self.vocab_size,
-                                              num_items_in_batch=kwargs.get("num_items_in_batch"))
-        return outputs
 
 
 # save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
