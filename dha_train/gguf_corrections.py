@@ -280,21 +280,40 @@ def _sentencepiece_bpe(path: Path, header: dict):
     return backend, tokens
 
 
+def _byte_level_pre_tokenizer(pre: str | None):
+    """The ``tokenizers`` pre-tokenizer that splits text as llama.cpp's byte-level pre-tokenizer ``pre`` does (the
+    shapes ``gguf_vocab.PRE_TOKENIZERS`` names; no normalizer: llama.cpp normalises nothing)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from dha_train.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+
+    def split(regex):
+        return [pre_tokenizers.Split(Regex(regex), behavior='isolated', invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+
+    shapes = {'gpt-2': [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)],
+              'smollm': [pre_tokenizers.Digits(individual_digits=True),
+                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)],
+              'llama-bpe': split(LLAMA3_REGEX), 'qwen2': split(QWEN2_REGEX)}
+    shapes['default'] = shapes['gpt-2']
+    if (pre or 'default') not in shapes:
+        raise GgufError(f"import-gguf: the file's byte-level vocabulary splits text as llama.cpp's {str(pre)!r:.20}, "
+                        f"which import-gguf does not rebuild (it rebuilds {', '.join(sorted(shapes))})")
+    return pre_tokenizers.Sequence(shapes[pre or 'default'])
+
+
 def _byte_level_bpe(path: Path, header: dict):
-    """llama.cpp's 'gpt2' tokenizer model with its 'gpt-2' pre-tokenizer (GPT-2's regex, then bytes as characters)
-    as a ``tokenizers`` byte-level BPE with the file's merges."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    """llama.cpp's 'gpt2' tokenizer model (byte-level BPE with the file's merges) split as its named pre-tokenizer,
+    as a ``tokenizers`` BPE."""
+    from tokenizers import Tokenizer, decoders, processors
     from tokenizers.models import BPE
 
-    pre = header['tokenizer'].get('pre')
-    if pre not in ('gpt-2', 'default', None):
-        raise GgufError(f"import-gguf: the file's byte-level vocabulary splits text as llama.cpp's {str(pre)!r:.20}, "
-                        "which import-gguf does not rebuild for this architecture (it rebuilds 'gpt-2')")
+    pre_tokenizer = _byte_level_pre_tokenizer(header['tokenizer'].get('pre'))
     tokens, types, _, merges = _vocabulary(path)
     vocab = {token: index for index, token in enumerate(tokens)}
     backend = Tokenizer(BPE(vocab, [tuple(merge.split(' ', 1)) for merge in merges or []], dropout=None,
                             fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     _add_declared_tokens(backend, tokens, types)

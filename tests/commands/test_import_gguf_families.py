@@ -57,3 +57,41 @@ def test_a_tiny_model_exported_and_imported_is_its_family_with_its_logits(model_
     lines = mixed_text_lines()[::7]
     assert [line for line in lines if tokenizer(line, add_special_tokens=False).input_ids !=
             expected(line, add_special_tokens=False).input_ids] == []
+
+
+@pytest.mark.parametrize('pre', ['gpt-2', 'smollm', 'llama-bpe', 'qwen2'])
+def test_a_byte_level_vocabulary_transformers_cannot_read_is_rebuilt_as_llama_cpp_splits_it(pre, tmp_path):
+    """A qwen3 file (transformers 4.53 has no reader for it) with each byte-level pre-tokenizer llama.cpp names:
+    the imported tokenizer gives llama.cpp's ids on every line of mixed text (digits, code, non-ASCII). The
+    vocabulary is trained on whole lines (no split before BPE), so its merges cross every boundary a pre-tokenizer
+    draws: a split that differs from llama.cpp's shows."""
+    import gguf
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from dha_train.engine_process import EngineProcess
+    from dha_train.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+    from dha_train.llama_cpp_engine import LlamaCppModel
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    shapes = {'gpt-2': [byte_level], 'smollm': [pre_tokenizers.Digits(individual_digits=True), byte_level],
+              'llama-bpe': [pre_tokenizers.Split(Regex(LLAMA3_REGEX), 'isolated'), bytes_only],
+              'qwen2': [pre_tokenizers.Split(Regex(QWEN2_REGEX), 'isolated'), bytes_only]}
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = bytes_only, decoders.ByteLevel()
+    lines = mixed_text_lines()
+    backend.train_from_iterator(lines * 4, trainers.BpeTrainer(vocab_size=1024, min_frequency=2, show_progress=False,
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(shapes[pre])
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(tmp_path / 'tokenizer')
+    source = save_tiny_family_model(tmp_path / 'qwen3', 'qwen3', tmp_path / 'tokenizer', vocab_size=1024)
+    file = tmp_path / 'qwen3.gguf'
+    assert cli_main(['export-gguf', str(source), str(file), '--outtype', 'f32']) == 0
+    assert gguf.GGUFReader(file).fields['tokenizer.ggml.pre'].contents() == pre
+    assert cli_main(['import-gguf', str(file), str(tmp_path / 'imported')]) == 0
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / 'imported')
+    with EngineProcess(LlamaCppModel, file, vocab_only=True) as engine:
+        assert [line for line in lines
+                if engine.tokenize(line) != tokenizer(line, add_special_tokens=False).input_ids] == []
