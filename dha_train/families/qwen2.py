@@ -7,13 +7,13 @@ from dha_train.families.base import (
     PER_LAYER_KV_HEADS,
     SLIDING_WINDOW_LAYERS,
     Family,
-    Feature,
     LlamaCppLayout,
+    always,
     windows_by_layer_types,
 )
 from dha_train.models.family_classes import FAMILY_CLASSES
 
-QKV_BIAS = Feature('q/k/v biases', lambda config: True)
+QKV_BIAS = always('q/k/v biases')
 
 FAMILY = Family(
     model_type='qwen2', label='Qwen2', classes=FAMILY_CLASSES['qwen2'],
