@@ -222,6 +222,7 @@ _REMOTE_LOAD_ALL = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_exported_folders_of_every_family_load_with_trust_remote_code_without_dha_train(saved_models, tmp_path):
     """A fresh interpreter where dha_train cannot be imported, offline, loads each family's folder with
     trust_remote_code (its modeling file and the family table copied beside the weights) to the same logits."""
@@ -360,3 +361,26 @@ def test_head_distances_count_a_k_or_v_bias_as_a_column_of_the_projection():
     assert float(head_distances(weight, omega, members)[0][0, 1]) == pytest.approx(0.0, abs=1e-9)
     assert float(head_distances(with_bias_column(weight, bias), omega, members)[0][0, 1]) == pytest.approx(WIDTH / 2, rel=1e-6)
     assert with_bias_column(weight, None) is weight
+
+
+def test_a_decode_step_past_the_window_without_a_4d_mask_takes_the_kernel_given_the_window():
+    """The grouped decode reads a sliding window from the mask alone: eager's and SDPA's 4-D masks hold it, a
+    flash-attention padding mask (2-D) or none does not, so such a step past the window takes the expanded kernel,
+    which is passed ``sliding_window``; full-attention layers and steps within the window stay grouped."""
+    model = _random_dha('gemma3_text')
+    sliding, full = (layer.self_attn for layer in model.model.layers)
+    assert (sliding.sliding_window, full.sliding_window) == (6, None) and sliding.is_sliding and not full.is_sliding
+    four_d = torch.zeros(1, 1, 1, 10)
+    assert sliding._mask_holds_window(four_d, 10) and sliding._mask_holds_window(None, 6)
+    assert not sliding._mask_holds_window(None, 10) and not sliding._mask_holds_window(torch.ones(1, 10), 10)
+    assert full._mask_holds_window(None, 10) and full._mask_holds_window(torch.ones(1, 10), 10)
+
+
+@pytest.mark.parametrize('cache', ['static', 'hybrid', 'sliding_window'])
+def test_preallocated_caches_are_refused_on_a_gemma_dha_model(cache):
+    """Gemma 3's own generation may ask for a hybrid (preallocated) cache; DHA layers have their own K/V head counts,
+    which only the dynamic cache holds, so every preallocated kind is refused naming the static cache."""
+    model = _random_dha('gemma3_text')
+    with pytest.raises(ValueError, match='static'):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, cache_implementation=cache,
+                       pad_token_id=0)

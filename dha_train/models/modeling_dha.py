@@ -43,7 +43,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
@@ -364,11 +363,17 @@ class DhaLlamaPreTrainedModel(LlamaPreTrainedModel):
         return family_classes(self.config.source_model_type)
 
     def _init_weights(self, module):
-        super()._init_weights(module)
-        # The family's norms (Qwen3/Gemma 3 q/k norms, Gemma's four a layer) start as LLaMA's (and, in 4.5x, their
-        # own classes') do; LlamaRMSNorm is done above.
-        if isinstance(module, self.family.norm) and not isinstance(module, LlamaRMSNorm):
-            module.weight.data.fill_(1.0)
+        pretrained = self.family.pretrained
+        if pretrained is LlamaPreTrainedModel:
+            super()._init_weights(module)
+        else:
+            # The family's own initialiser: its norms, and in transformers 5.x the non-persistent buffers it builds
+            # (Gemma's embed_scale and its local/global RoPE frequencies), which a meta-device build leaves empty.
+            # It reads only the config and the module, so it runs on a bare instance of the family's class (its
+            # super() calls need one) that holds this config.
+            stand_in = pretrained.__new__(pretrained)
+            stand_in.__dict__["config"] = self.config
+            pretrained._init_weights(stand_in, module)
         # transformers 5.x builds the model on the meta device and leaves non-persistent buffers empty until here.
         if isinstance(module, DhaLlamaAttention):
             module.reset_head_index()
