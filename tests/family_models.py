@@ -32,18 +32,25 @@ def tiny_config(model_type: str, **overrides):
     return family.config_class(**{**SHAPE, **EXTRA[model_type], **overrides})
 
 
-def tiny_model(model_type: str, seed: int = 0, copies: int = 1, **overrides):
-    """A random model of the family in float32 with nonzero biases and norm weights; with ``copies`` > 1 every
-    group of ``copies`` consecutive K/V heads holds the same weights (so pooling them loses nothing)."""
-    torch.manual_seed(seed)
-    config = tiny_config(model_type, **overrides)
-    model = families.get(model_type).causal_lm_class(config).float().eval()
+def randomize_biases_and_norms(model, model_type: str) -> None:
+    """Nonzero biases and norm weights away from their init (Gemma's norms are 1 + w, so w around 0), so that a
+    conversion that dropped or misplaced one would change the logits."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith('.bias'):
                 parameter.normal_(0.0, 0.3)
             elif 'norm' in name:
                 parameter.normal_(0.0 if model_type == 'gemma3_text' else 1.0, 0.2)
+
+
+def tiny_model(model_type: str, seed: int = 0, copies: int = 1, **overrides):
+    """A random model of the family in float32 with nonzero biases and norm weights; with ``copies`` > 1 every
+    group of ``copies`` consecutive K/V heads holds the same weights (so pooling them loses nothing)."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = families.get(model_type).causal_lm_class(config).float().eval()
+    randomize_biases_and_norms(model, model_type)
+    with torch.no_grad():
         if copies > 1:
             width = families.head_dim(config)
             for layer in model.model.layers:

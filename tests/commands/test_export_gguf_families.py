@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from family_models import FAMILY_NAMES, save_tiny_family_model, tiny_config
+from family_models import FAMILY_NAMES, randomize_biases_and_norms, save_tiny_family_model, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from dha_train import families
@@ -172,12 +172,7 @@ def _servable_dha(folder: Path, name: str, tokenizer_dir: Path) -> Path:
                                                 'layers': UNIFORM})
     torch.manual_seed(5)
     model = DhaLlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith('.bias'):
-                parameter.normal_(0.0, 0.3)
-            elif 'norm' in parameter_name:
-                parameter.normal_(0.0 if name == 'gemma3_text' else 1.0, 0.2)
+    randomize_biases_and_norms(model, name)
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
     return folder
