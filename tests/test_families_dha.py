@@ -256,10 +256,10 @@ def test_a_config_missing_family_settings_takes_the_family_defaults(model_type):
         DhaLlamaConfig(source_model_type='gpt2', **given)
 
 
-# similarity on every family; asym (whose fitness pools biases) and servable on the families with biases, norms and
-# windows (the search code names no family, so these cover what differs)
-SEARCHES = [('similarity', model_type) for model_type in FAMILY_NAMES] + [
-    ('asym', 'qwen2'), ('asym', 'gemma3_text'), ('servable', 'qwen3'), ('servable', 'gemma3_text')]
+# similarity and AsymGQA on every family; servable (the similarity search with one more constraint, naming no
+# family) on the families with q/k norms
+SEARCHES = [(method, model_type) for method in ('similarity', 'asym') for model_type in FAMILY_NAMES] + [
+    ('servable', 'qwen3'), ('servable', 'gemma3_text')]
 
 
 @pytest.mark.parametrize('method, model_type', SEARCHES)
