@@ -70,14 +70,13 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, head_map: Hea
         return [partition_to_assignment(p, sum(map(len, p))).tolist() for p in partitions]
 
     state = mean_pool_llama_state_dict(state, as_maps(key_partitions), as_maps(value_partitions), head_map.head_dim)
-    settings = config.to_diff_dict()
     if contiguous is not None:
         config.num_key_value_heads = head_map.uniform_gqa_groups()
         converted = family.causal_lm_class(config)
     else:
         # K and V grouped differently, or unequal groups: the decoupled-head model serves any head map.
-        settings.pop('num_key_value_heads', None)
-        converted = DhaLlamaForCausalLM(DhaLlamaConfig(head_map=head_map.to_dict(), **settings))
+        # built inside the source family's decoder (source_model_type), from the source's full config
+        converted = DhaLlamaForCausalLM(DhaLlamaConfig.for_source(config, head_map.to_dict()))
     converted.load_state_dict(state)
 
     with staged_folder(out_dir, overwrite) as staging:
