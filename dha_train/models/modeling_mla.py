@@ -422,13 +422,13 @@ class MlaLlamaForCausalLM(MlaLlamaPreTrainedModel, LlamaForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    # cache_position (4.5x) travels in kwargs: 5.x's generate makes one only for a forward that names it
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                labels=None, use_cache=None, cache_position=None, logits_to_keep=0, **kwargs):
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         causal_lm = family_classes(getattr(self.config, "source_model_type", None)).causal_lm
         return causal_lm.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                                 use_cache=use_cache, cache_position=cache_position, logits_to_keep=logits_to_keep,
-                                 **kwargs)
+                                 use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
 
 
 # save_pretrained then writes ``auto_map`` into config.json and copies this file next to the weights.
