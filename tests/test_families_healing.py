@@ -237,3 +237,52 @@ def test_a_tiny_healing_chain_runs_on_the_family_in_its_own_class(tmp_path, data
         model = load_causal_lm(folder, who='test', torch_dtype=torch.float32).eval()
         assert type(model) is family.causal_lm_class and model.config.num_key_value_heads == 2
         assert torch.isfinite(logits_of(model)).all()
+
+
+@pytest.mark.slow
+def test_moh_exports_of_every_family_load_and_generate_alike_in_transformers_5(tmp_path, tokenizer_dir):
+    """The MoH folder of each non-LLaMA family (LLaMA's: tests/commands/test_export_transformers5.py), loaded with
+    ``trust_remote_code`` in transformers 5.x without dha_train: the same logits, attention weights and greedy
+    generations as here (its modeling file, family_classes.py and moh_decode.py travel with the folder)."""
+    import importlib.util
+    import os
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    import export_probe
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        'transformers5_env', REPO / 'tests' / 'commands' / 'test_export_transformers5.py')
+    environment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(environment)
+    python = environment.transformers5_python()
+    folders = {}
+    for model_type in FAMILY_NAMES[1:]:
+        source = tiny_model(model_type)
+        MixtureOfHeads(router='learned', shared_heads=1, top_k=2).apply_surgery(source, seed=5)
+        model = MohLlamaForCausalLM(MohLlamaConfig.from_source(source.config)).eval()
+        model.load_state_dict(source.state_dict())
+        folders[model_type] = tmp_path / model_type
+        model.save_pretrained(folders[model_type])
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folders[model_type])
+    env = {key: value for key, value in os.environ.items() if key not in ('PYTHONPATH', 'PYTHONHOME')}
+    env.update(PYTHONNOUSERSITE='1', HF_HOME=str(tmp_path / 'hf_home'), HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1',
+               OMP_NUM_THREADS='1')
+    out = tmp_path / 'transformers5.pt'
+    done = subprocess.run([python, export_probe.__file__, json.dumps({k: str(v) for k, v in folders.items()}),
+                           json.dumps(environment.PROMPTS), str(environment.NEW_TOKENS), str(out)],
+                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    theirs_all = torch.load(out, weights_only=False)
+    assert theirs_all.pop('environment')['transformers'].startswith('5.')
+    for name, folder in folders.items():
+        ours, theirs = export_probe.probe(str(folder), environment.PROMPTS, environment.NEW_TOKENS), theirs_all[name]
+        assert theirs['model_class'].startswith('transformers_modules.'), theirs['model_class']
+        torch.testing.assert_close(theirs['logits'], ours['logits'], rtol=0, atol=1e-4, msg=name)
+        for got, expected in zip(theirs['attentions'], ours['attentions'], strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=name)
+        assert torch.equal(theirs['sequences'], ours['sequences']), name
+        assert torch.equal(ours['sequences'], ours['argmax_sequences']), name
+        assert theirs['cache_heads'] == ours['cache_heads'], name

@@ -108,8 +108,7 @@ class MohLlamaConfig(LlamaConfig):
     continue-tuning setting: H/2 shared heads and the top H/4 routed (75% active).
 
     ``source_model_type`` names the source family; the config then holds every field of that family's config (built
-    from the source config's whole dict, ``from_source``), and a field a saved folder left out because it equalled
-    the default is filled from the family config class's defaults (fields LLaMA's config does not have)."""
+    from the source config's whole dict, ``from_source``, and read by the family's own config class)."""
 
     model_type = "moh_llama"
 
@@ -119,9 +118,14 @@ class MohLlamaConfig(LlamaConfig):
         super().__init__(**kwargs)
         self.source_model_type = source_model_type
         if source_model_type not in (None, "llama"):
-            defaults = family_classes(source_model_type).config().to_dict()  # refuses a type outside the table
-            for key, value in defaults.items():
-                if key not in _IDENTITY_FIELDS and not hasattr(self, key):
+            # The family's config class reads the same fields (LLaMA's defaults for those a saved folder left out as
+            # equal to them, its own defaults for the rest) and derives what its classes read (Gemma's layer_types,
+            # transformers 5.x's per-layer-type rope_parameters): this config holds its view of every field.
+            fields = {key: value for key, value in self.to_dict().items()
+                      if key not in _IDENTITY_FIELDS and key != SOURCE_MODEL_TYPE}
+            family = family_classes(source_model_type).config(**{**fields, **kwargs})  # refuses an unknown type
+            for key, value in family.to_dict().items():
+                if key not in _IDENTITY_FIELDS:
                     setattr(self, key, value)
         heads = self.num_attention_heads
         self.moh_shared_heads = heads // 2 if moh_shared_heads is None else moh_shared_heads
