@@ -172,7 +172,7 @@ def _as_moh_model(config, weights):
     config carries the routing settings the algorithm wrote."""
     if config.model_type == 'moh_llama':
         return config, weights
-    return MohLlamaConfig(**_llama_settings(config)), weights
+    return MohLlamaConfig.from_source(config), weights  # inside the source family's decoder (source_model_type)
 
 
 register(Method('mean_pool', 'GQA baseline: mean-pool the K/V heads of each group (`dha-train convert`); '
@@ -194,9 +194,12 @@ register(Method('moh', 'MoH: shared + routed heads, continue-tuned from MHA (mix
 
 
 def _mla_kv_cache_bytes(config, seq_len: int, bytes_per_value: int) -> int:
-    """MLA caches each layer's latent plus the kept rotated key dims of each K/V head."""
+    """MLA caches each layer's latent plus the kept rotated key dims of each K/V head, and for a family with a
+    per-head k_norm (Qwen3, Gemma 3) each K/V head's key scale (``ops.mla.key_scales_per_layer``)."""
     pairs = [len(layer[0]) for layer in config.mla_rope_pairs]
-    return cache_values_per_token(config.mla_ranks, pairs, config.num_key_value_heads) * seq_len * bytes_per_value
+    key_norm_head_dim = head_dim(config) if families.of(config, 'mla kv bytes').qk_norm else None
+    return cache_values_per_token(config.mla_ranks, pairs, config.num_key_value_heads,
+                                  key_norm_head_dim) * seq_len * bytes_per_value
 
 
 register(Method('mla', 'MLA: partial RoPE + joint K/V latent (`dha-train convert --method mla`), served by the MLA '

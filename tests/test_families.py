@@ -142,3 +142,19 @@ def test_eval_and_plan_run_on_each_family(healed, model_type, data_root, tmp_pat
     # every parameter of the family's model is planned for (tied embeddings are counted once per use there)
     assert plan['parameters'] >= sum(p.numel() for p in student.parameters()) and plan['layers'] == 2, plan
     assert plan['peak_gib'] > 0, plan
+
+
+@pytest.mark.parametrize('model_type', FAMILY_NAMES)
+def test_an_mla_folders_stated_kv_bytes_are_what_its_cache_holds(tmp_path, model_type, capfd):
+    """The registry's KV bytes of an MLA folder (cards, bench tables) count what the model caches, the key scales of
+    a k_norm family included (``convert`` reports the same numbers)."""
+    from dha_train.methods import kv_cache_bytes
+    from dha_train.model_folders import load_model_config
+
+    save_tiny_family_model(tmp_path / 'source', model_type)
+    assert main(['convert', str(tmp_path / 'source'), str(tmp_path / 'mla'), '--method', 'mla',
+                 '--cache-fraction', '0.5', '--pair-criterion', 'uniform', '--factorisation', 'weight']) == 0
+    reported = [line for line in capfd.readouterr().out.splitlines() if 'cache numbers per token' in line]
+    numbers = int(reported[0].split(' cache numbers per token')[0].rsplit(' ', 1)[1])
+    config = load_model_config(tmp_path / 'mla', who='test')
+    assert kv_cache_bytes(config, seq_len=1, bytes_per_value=1) == numbers
