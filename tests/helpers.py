@@ -260,8 +260,9 @@ def wandb_history_keys(run_file) -> dict[str, list[float]]:
     return values
 
 
-# Runs where dha_train cannot be imported: the editable install's finder is dropped before anything else.
-_REMOTE_LOAD = textwrap.dedent('''
+# The start of a script run where dha_train cannot be imported: the editable install's finder is dropped before
+# anything else, and an importable dha_train stops it.
+WITHOUT_DHA_TRAIN = textwrap.dedent('''
     import sys
     sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]
     sys.path[:] = [p for p in sys.path if '__editable__' not in p]
@@ -271,6 +272,8 @@ _REMOTE_LOAD = textwrap.dedent('''
         pass
     else:
         raise SystemExit('dha_train is importable: ' + str(dha_train.__path__))
+''')
+_REMOTE_LOAD = WITHOUT_DHA_TRAIN + textwrap.dedent('''
     import json
     import torch
     from transformers import AutoModelForCausalLM

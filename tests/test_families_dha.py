@@ -25,6 +25,7 @@ from dha_train.model_folders import load_causal_lm
 from dha_train.models.head_map import HeadMap
 from dha_train.models.modeling_dha import DhaLlamaAttention, DhaLlamaConfig, DhaLlamaForCausalLM
 from dha_train.ops.fusion import groups_of
+from helpers import WITHOUT_DHA_TRAIN
 
 HEADS, WIDTH = 4, 16  # family_models' tiny shape: 4 query heads of 16 (64 / 4, or head_dim 16)
 # K and V grouped differently, groups of unequal size, each group holding copies of one head under copies=2
@@ -200,16 +201,7 @@ def test_saved_folders_load_back_and_decode_with_a_compact_cache_as_without(save
     assert [(layer[0].shape[1], layer[1].shape[1]) for layer in out.past_key_values] == DHA_MAP.kv_heads()
 
 
-_REMOTE_LOAD_ALL = textwrap.dedent('''
-    import sys
-    sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]
-    sys.path[:] = [p for p in sys.path if '__editable__' not in p]
-    try:
-        import dha_train
-    except ImportError:
-        pass
-    else:
-        raise SystemExit('dha_train is importable: ' + str(dha_train.__path__))
+_REMOTE_LOAD_ALL = WITHOUT_DHA_TRAIN + textwrap.dedent('''
     import torch
     from transformers import AutoModelForCausalLM
     ids, logits = torch.load(sys.argv[1]), {}

@@ -16,20 +16,13 @@ from family_models import FAMILY_NAMES, logits_of
 from test_export_transformers5 import transformers5_python
 from test_families_dha import DHA_MAP, _random_dha
 
+from helpers import WITHOUT_DHA_TRAIN
+
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 9  # 5 + 9 positions: past the window of 6 on Gemma's sliding layer
 
-_LOAD = textwrap.dedent('''
-    import sys
-    sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]
-    sys.path[:] = [p for p in sys.path if '__editable__' not in p]
-    try:
-        import dha_train
-    except ImportError:
-        pass
-    else:
-        raise SystemExit('dha_train is importable: ' + str(dha_train.__path__))
+_LOAD = WITHOUT_DHA_TRAIN + textwrap.dedent('''
     import json
     import torch
     import transformers
