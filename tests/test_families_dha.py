@@ -14,7 +14,14 @@ import textwrap
 
 import pytest
 import torch
-from family_models import FAMILY_NAMES, logits_of, save_tiny_family_model, tiny_config, tiny_model
+from family_models import (
+    FAMILY_NAMES,
+    logits_of,
+    randomize_biases_and_norms,
+    save_tiny_family_model,
+    tiny_config,
+    tiny_model,
+)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import dha_train.models  # noqa: F401  (registers the Auto classes)
@@ -136,12 +143,7 @@ def _random_dha(model_type: str) -> DhaLlamaForCausalLM:
     config = DhaLlamaConfig.for_source(tiny_config(model_type, initializer_range=0.2, eos_token_id=None),
                                        DHA_MAP.to_dict())
     model = DhaLlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith('.bias'):
-                parameter.normal_(0.0, 0.3)
-            elif 'norm' in name:
-                parameter.normal_(0.0 if model_type == 'gemma3_text' else 1.0, 0.2)
+    randomize_biases_and_norms(model, model_type)
     return model
 
 
