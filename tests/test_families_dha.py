@@ -199,7 +199,9 @@ def test_saved_folders_load_back_and_decode_with_a_compact_cache_as_without(save
             recomputed = torch.cat([recomputed, step], dim=1)
         uncached = loaded(out.sequences, use_cache=False).logits
     assert torch.equal(out.sequences, recomputed)
-    torch.testing.assert_close(torch.cat(steps, dim=1), uncached, rtol=0, atol=1e-5)
+    # float32 sums in another order (one cached row against the whole window): CI saw 1.25e-5 on Qwen3's logits of
+    # order 3; a cache read wrong differs by order 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), uncached, rtol=0, atol=5e-5)
     assert [(layer[0].shape[1], layer[1].shape[1]) for layer in out.past_key_values] == DHA_MAP.kv_heads()
 
 
