@@ -67,10 +67,12 @@ def source_folder(work: Path, source: str) -> Path:
     return bench_source(work, source, say=say)
 
 
-def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0) -> list[tuple[str, dict]]:
+def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0,
+                      max_document_chars: int | None = None) -> list[tuple[str, dict]]:
     """Plain-text documentation under ``root`` (READMEs, NEWS, changelogs, .txt/.md/.rst, gzipped or not),
     deduplicated by content, licence/copyright files and Python-related folders left out; shuffled with ``seed``
-    (the val split is taken from the front) and capped at ``max_bytes`` of text."""
+    (the val split is taken from the front) and capped at ``max_bytes`` of text, each document counted as its first
+    ``max_document_chars`` (what ``tokenize_documents`` keeps)."""
     import gzip
 
     seen, documents = set(), []
@@ -97,7 +99,7 @@ def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, s
         if total >= max_bytes:
             break
         chosen.append((text, meta))
-        total += len(text.encode('utf-8'))
+        total += len(text[:max_document_chars].encode('utf-8'))
     return chosen
 
 
@@ -159,19 +161,60 @@ def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) 
     return documents
 
 
+# A scored text's independent units are its documents: at least this many in a split for a 95% interval to say
+# something beyond them (the figures test holds docs/results to it), none more than a few percent of its tokens.
+MIN_DOCUMENTS = 64
+DOCUMENTS_PER_SPLIT = 96  # each document capped at this fraction of the split's tokens, so a full split has ~96
+CHARS_PER_TOKEN = 3.5  # a low estimate for English text and code, so a capped document rarely exceeds its share
+
+
+def share_cap_chars(val_tokens: int) -> int:
+    """About 1/DOCUMENTS_PER_SPLIT of a split of ``val_tokens``, in characters."""
+    return max(64, int(CHARS_PER_TOKEN * val_tokens / DOCUMENTS_PER_SPLIT))
+
+
+def document_cap_chars(lengths: Sequence[int], val_tokens: int) -> int | None:
+    """The characters kept of each document (of ``lengths`` characters) for a split of ``val_tokens``: about
+    1/DOCUMENTS_PER_SPLIT of its tokens, or more where the documents are too few to fill twice the split at that cap
+    (the least that does; None, no cap, when even whole they do not)."""
+    needed = 2 * CHARS_PER_TOKEN * val_tokens
+    if sum(lengths) <= needed:
+        return None
+    cap = share_cap_chars(val_tokens)
+    while sum(min(length, cap) for length in lengths) < needed:
+        cap *= 2  # doubling: the least such cap within a factor of 2, in a few passes
+    return cap
+
+
+def split_units(domain: dict) -> dict:
+    """How many documents a tokenized val split's sequences come from and the largest one's share of them (from the
+    documents `data prep` records for each sequence), printed with a warning under MIN_DOCUMENTS."""
+    documents = domain['val'].get('sample_documents') or []
+    counts = [documents.count(d) for d in sorted(set(documents))]
+    units = {'sequences': len(documents), 'documents': len(counts),
+             'largest_document_share': round(max(counts) / len(documents), 4) if counts else None}
+    if len(counts) < MIN_DOCUMENTS:
+        say(f'warning: the held-out split has {len(counts)} documents (fewer than {MIN_DOCUMENTS}): its intervals '
+            'say little beyond them')
+    return units
+
+
 def tokenize_documents(documents: list[tuple[str, dict]], out: Path, tokenizer: Path, name: str, *, seq_len: int,
                        val_tokens: int) -> dict:
-    """``documents`` as one JSONL file under the held-out domain label, tokenized into ``out / 'data'`` with a val
-    split of ``val_tokens``; the JSONL is removed after. Returns that domain's manifest."""
+    """``documents`` as one JSONL file under the held-out domain label, each cut to ``document_cap_chars`` (so the split's sequences come from many documents: a few long ones would fill it
+    alone, and their consecutive cuts are not independent), tokenized into ``out / 'data'`` with a val split of ``val_tokens``; the JSONL is removed
+    after. Returns that domain's manifest, with ``units`` (``split_units``)."""
     corpus = out / 'corpus' / HELDOUT_DOMAIN
     corpus.mkdir(parents=True, exist_ok=True)
+    cap = document_cap_chars([len(text) for text, _ in documents], val_tokens)
     with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
         for text, meta in documents:
-            handle.write(json.dumps({'text': text, 'meta': meta}, ensure_ascii=False) + '\n')
+            handle.write(json.dumps({'text': text[:cap], 'meta': meta}, ensure_ascii=False) + '\n')
     manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=seq_len, val_tokens=val_tokens,
                               overwrite=True, domain=HELDOUT_DOMAIN, progress=False)
     shutil.rmtree(out / 'corpus')
-    return manifest['domains'][HELDOUT_DOMAIN]
+    domain = manifest['domains'][HELDOUT_DOMAIN]
+    return {**domain, 'units': {**split_units(domain), 'document_cap_chars': cap}}
 
 
 def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *, seed: int, tokens: int,
@@ -186,7 +229,8 @@ def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *
         if not documents:
             raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod files of 2,000+ characters) in {where}')
         domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens)
-        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val']}
+        return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val'],
+                'units': domain['units']}
 
     reads = {'where': where, 'files': [str(p) for p in files], 'tokens': tokens, 'seq_len': seq_len, 'seed': seed}
     if max_document_chars is not None:
@@ -211,13 +255,14 @@ def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_dig
                 'source': 'the Python standard library: .py sources (github) and module docstrings (wikipedia)'}
 
     def heldout_data(out: Path) -> dict:
-        documents = heldout_documents(max_bytes=max(8 * settings.val_tokens, 400_000))
+        documents = heldout_documents(max_bytes=max(8 * settings.val_tokens, 400_000),
+                                      max_document_chars=share_cap_chars(settings.val_tokens))
         if not documents:
             raise RuntimeError(f'bench real: no held-out text found under {HELDOUT_SOURCE}')
         val = tokenize_documents(documents, out, tokenizer, f'{HELDOUT_DOMAIN}-heldout', seq_len=settings.seq_len,
                                  val_tokens=settings.val_tokens)
         return {'root': str(out / 'data'), 'documents': len(documents), 'domain_label': HELDOUT_DOMAIN,
-                'split_evaluated': 'val', 'manifest': val,
+                'split_evaluated': 'val', 'manifest': val, 'units': val['units'],
                 'source': f'{HELDOUT_SOURCE} text files (READMEs, NEWS, changelogs, .txt/.md/.rst; no licences, '
                           'no Python-related folders), a source no row trains on'}
 

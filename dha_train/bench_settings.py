@@ -12,7 +12,10 @@ from dha_train.config import ConfigError
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
 METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable', 'mla', 'mla_deepseek', 'moh')
-BUDGETS = ('kv1', 'kv2')
+BUDGETS = ('kv1', 'kv2', 'half', 'third')
+# the methods that keep whole K/V heads (pool, group or fuse them): a budget that is not a whole number of heads per
+# layer, at least one, is out of their reach
+HEAD_POOLING_METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable')
 SOURCE = 'smollm2-135m'
 MOH_ACTIVE = 0.75
 
@@ -24,6 +27,31 @@ def moh_setting(num_heads: int) -> tuple[int, int]:
     active = math.floor(MOH_ACTIVE * num_heads + 0.5)
     shared = num_heads // 2
     return shared, max(active - shared, 1)
+
+
+def budget_fraction(budget: str, source_kv_heads: int) -> float:
+    """The budget's K+V cache as a fraction of the source's. ``kv1`` / ``kv2``: one or two K/V heads per layer (a third
+    and two thirds of SmolLM2's three); ``half`` / ``third``: that fraction of any source's cache (a source with one
+    K/V head, such as Gemma 3 270M, goes below it only through MLA's latent)."""
+    fixed = {'half': 1 / 2, 'third': 1 / 3}
+    return fixed[budget] if budget in fixed else {'kv1': 1, 'kv2': 2}[budget] / source_kv_heads
+
+
+def budget_heads(budget: str, source_kv_heads: int) -> int | None:
+    """The K/V heads per layer a head-pooling method keeps at the budget; None where that is not a whole number of
+    heads, at least one."""
+    heads = budget_fraction(budget, source_kv_heads) * source_kv_heads
+    whole = round(heads)
+    return whole if whole >= 1 and abs(heads - whole) < 1e-9 else None
+
+
+def check_budgets(budgets: Sequence[str], source_kv_heads: int) -> None:
+    """Every budget must be below the source's cache: a budget at or above it compares nothing."""
+    for budget in budgets:
+        if budget_fraction(budget, source_kv_heads) >= 1:
+            raise ConfigError(f'bench real: budget {budget} is not below the source\'s cache (it has '
+                              f'{source_kv_heads} K/V head{"s" if source_kv_heads > 1 else ""} per layer); use half '
+                              'or third')
 
 
 @dataclass
@@ -46,7 +74,7 @@ class RealSettings:
     eval_batch_size: int | None = None
     corpus_bytes: int | None = -1  # training corpus bytes per domain (-1: by device; None: the whole stdlib)
     methods: Sequence[str] = METHODS
-    budgets: Sequence[str] = BUDGETS
+    budgets: Sequence[str] = ('kv1', 'kv2')  # SmolLM2's; a one-K/V-head source takes half and third
     tasks: Sequence[str] = TASKS
     include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
     source: str = SOURCE  # a GGUF name/path for import_gguf, or an HF folder

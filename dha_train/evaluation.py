@@ -139,6 +139,25 @@ def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8
     return losses
 
 
+def sequence_documents(data_root: str | Path) -> dict[str, list[int] | None]:
+    """Per domain of a data folder's val split, the document each sequence's first token belongs to (in
+    ``sequence_losses``' order; `data prep` records it), so intervals resample documents, not consecutive cuts of
+    one; None for a folder prepared before it was recorded."""
+    from dha_train.data.prep import read_manifest
+
+    return {domain: entry.get('val', {}).get('sample_documents')
+            for domain, entry in read_manifest(str(data_root))['domains'].items() if entry.get('val')}
+
+
+def heldout_document_counts(documents: dict[str, list[int] | None], sequences: dict[str, list[float]]) -> dict:
+    """Per domain, how many independent units the held-out loss's interval is over: documents where recorded, else
+    sequences (``units`` says which)."""
+    return {domain: {'sequences': len(values),
+                     'documents': len(set(documents[domain])) if documents.get(domain) else None,
+                     'units': 'documents' if documents.get(domain) else 'sequences'}
+            for domain, values in sequences.items()}
+
+
 @torch.no_grad()
 def attention_output_errors(teacher, student, input_ids: torch.Tensor) -> list[float]:
     """Per layer, ``||a_s - a_t|| / ||a_t||`` of the attention output (after ``o_proj``) on ``input_ids``, where
@@ -225,12 +244,18 @@ def run_eval(model_path: str | Path, suite: str | None = None, tasks: Sequence[s
               'val_loss': losses['mean'] if losses else None, 'val_loss_per_domain': losses}
     out = Path(out) if out is not None else (source if source.is_dir() else source.parent) / 'eval'
     out.mkdir(parents=True, exist_ok=True)
-    if sequences:  # the held-out loss's 95% interval over sequences (the mean of the domains' means, as val_loss)
-        result['val_loss_ci95'] = mean_of_means_interval(sequences)[1]
+    sequence_docs = sequence_documents(data) if sequences else None
+    if sequences:  # the held-out loss's 95% interval over documents (the mean of the domains' means, as val_loss)
+        result['heldout_units'] = heldout_document_counts(sequence_docs, sequences)
+        try:
+            result['val_loss_ci95'] = mean_of_means_interval(sequences, sequence_docs)[1]
+        except ValueError:  # a domain of one document (or one sequence): no interval says anything
+            result['val_loss_ci95'] = None
     # by default inside the model folder, which came from elsewhere: a link there is replaced, not written through
     write_file_atomically(out / RESULTS_FILE, json.dumps(result, indent=2))
     write_file_atomically(out / DOCUMENTS_FILE,
-                          json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences}))
+                          json.dumps({'tasks': scored['documents'], 'heldout_sequences': sequences,
+                                      'heldout_sequence_documents': sequence_docs}))
     _add_scores_to_card(source, result, data)
     print_scores(result)
     if losses:

@@ -13,6 +13,7 @@ is cut into samples of exactly ``seq_len`` tokens, and the final partial buffer 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
@@ -115,6 +116,8 @@ class FileResult:
     skipped_lines: int = 0
     bad_line_numbers: list[int] = field(default_factory=list)  # the first few, for the report
     val_shortfall_samples: int = 0
+    # per val sample, the file's document its first token belongs to: intervals resample documents, not cuts
+    val_sample_documents: list[int] = field(default_factory=list)
 
 
 _worker_tokenizer: Any = None
@@ -142,6 +145,7 @@ def _pack_file(job: FileJob) -> FileResult:
     bad_lines: list[int] = []
     buffer: list[int] = []
     written = 0
+    val_document_starts: list[int] = []  # stream offset of each document's BOS while the val quota is open
 
     with contextlib.ExitStack() as stack:
         writers: dict[str, Any] = {}
@@ -163,6 +167,8 @@ def _pack_file(job: FileJob) -> FileResult:
                                 return_attention_mask=False, return_token_type_ids=False)['input_ids']
             for ids in encoded:
                 result.documents['val' if result.input_tokens < val_quota_tokens else 'train'] += 1
+                if result.input_tokens < val_quota_tokens:
+                    val_document_starts.append(result.input_tokens)
                 buffer.append(bos)
                 buffer.extend(ids)
                 buffer.append(eos)
@@ -179,6 +185,8 @@ def _pack_file(job: FileJob) -> FileResult:
     result.samples['train'] = written - result.samples['val']
     result.dropped_tail_tokens['val' if written < job.val_samples else 'train'] = len(buffer)
     result.val_shortfall_samples = job.val_samples - result.samples['val']
+    result.val_sample_documents = [bisect.bisect_right(val_document_starts, sample * seq_len) - 1
+                                   for sample in range(result.samples['val'])]
     result.skipped_lines = len(bad_lines)
     result.bad_line_numbers = bad_lines[:_QUOTED_BAD_LINES]
     return result
@@ -273,6 +281,8 @@ def _build_manifest(results: list[FileResult], *, seq_len: int, tokenizer_path: 
         entry['input_tokens'] += result.input_tokens
         entry['skipped_lines'] += result.skipped_lines
         entry['val_shortfall_samples'] += result.val_shortfall_samples
+        if result.val_sample_documents:  # only a domain's first file holds val samples
+            entry['val']['sample_documents'] = result.val_sample_documents
         for split in SPLITS:
             stats = entry[split]
             stats['samples'] += result.samples[split]

@@ -269,11 +269,21 @@ def test_a_sampled_eval_with_data_records_each_sequence_and_the_interval(models,
     from dha_train.evaluation import DOCUMENTS_FILE
 
     result = run_eval(models['mha'], suite='local', include=[local_task], out=tmp_path, documents=8, data=data_root)
-    sequences = json.loads((tmp_path / DOCUMENTS_FILE).read_text())['heldout_sequences']
+    saved = json.loads((tmp_path / DOCUMENTS_FILE).read_text())
+    sequences, documents = saved['heldout_sequences'], saved['heldout_sequence_documents']
     means = [sum(values) / len(values) for values in sequences.values()]
     assert result['val_loss'] == pytest.approx(sum(means) / len(means), rel=1e-5)
-    variances = [sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)
-                 for values, m in zip(sequences.values(), means)]
+    # the variance of each domain's mean with its documents as the units (consecutive cuts of one correlate):
+    # n / (n - 1) x sum over documents of (its sum - mean x its count)^2 / sequences^2
+    variances = []
+    for domain, values in sequences.items():
+        labels, mean = documents[domain], sum(values) / len(values)
+        assert len(labels) == len(values) and labels == sorted(labels)  # packed in order, one document after another
+        units = sorted(set(labels))
+        residuals = [sum(v for v, d in zip(values, labels) if d == unit) - mean * labels.count(unit) for unit in units]
+        variances.append(len(units) / (len(units) - 1) * sum(r * r for r in residuals) / len(values) ** 2)
+        assert result['heldout_units'][domain] == {'sequences': len(values), 'documents': len(units),
+                                                   'units': 'documents'}
     assert result['val_loss_ci95'] == pytest.approx(1.959964 * math.sqrt(sum(variances)) / len(means), rel=1e-5)
 
 

@@ -162,7 +162,7 @@ def test_bench_tokens_curves_on_the_short_quickstart_run(short_quickstart, tmp_p
         assert healed['points'][0][1] < pooled  # the refit alone improves on mean-pool
 
     # the summary is the curves' arithmetic: recomputed from the per-seed points it is the same
-    again = summarise(runs, seed=1)
+    again = summarise(runs)
     assert again['tokens_to_reach_dha'] == results['tokens_to_reach_dha']
     first = results['curves']['gqa'][0]
     assert math.isclose(first['loss'], np.mean([run['points'][0][1] for run in gqa])) and first['ci95'] < 1e-5

@@ -201,6 +201,9 @@ def test_manifest_split_documents_and_files_match_the_mds(sample):
             position += len(reference.stream([text]))
         val_docs = sum(p < VAL_SAMPLES * SEQ_LEN for p in positions)
         assert entry['val']['documents'] == val_docs
+        # each val sample's document: the last one whose BOS is at or before the sample's first token
+        assert entry['val']['sample_documents'] == [max(d for d, p in enumerate(positions) if p <= k * SEQ_LEN)
+                                                    for k in range(VAL_SAMPLES)]
         assert entry['train']['documents'] == entry['documents'] - val_docs
         assert entry['val']['files'] == 1 and entry['train']['files'] == len(_files_of(sample, domain))
         assert [s['path'] for s in entry['sources']] == [str(p.resolve()) for p in _files_of(sample, domain)]

@@ -200,12 +200,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help='AsymGQA fitness-search iterations per layer, each a forward pass (default 3 CPU, 50 cuda)')
     real.add_argument('--eval-batch-size', dest='eval_batch_size', type=int, default=None)
     real.add_argument('--methods', nargs='+', default=list(REAL_METHODS), choices=REAL_METHODS)
-    real.add_argument('--budgets', nargs='+', default=list(REAL_BUDGETS), choices=REAL_BUDGETS,
-                      help='kv1: one K and one V head per layer (1/3 of the source cache); kv2: two thirds')
+    real.add_argument('--budgets', nargs='+', default=['kv1', 'kv2'], choices=REAL_BUDGETS,
+                      help='kv1 / kv2: one / two K and V heads per layer (a third / two thirds of SmolLM2\'s cache); '
+                           'half / third: that fraction of any source\'s cache (a one-K/V-head source such as '
+                           'gemma3-270m: latent (MLA) rows only) (default: kv1 kv2)')
     real.add_argument('--tasks', nargs='+', default=list(REAL_TASKS), help='lm-eval tasks (default: %(default)s)')
     real.add_argument('--include', nargs='*', default=[], help='extra lm-eval task folders')
     real.add_argument('--source', default='smollm2-135m',
-                      help='a GGUF (path or bundled name) to import, or an HF LLaMA folder (default: smollm2-135m)')
+                      help='a GGUF (path or bundled name: smollm2-135m, gemma3-270m) to import, or an HF folder of a '
+                           'supported family (default: smollm2-135m)')
     real.add_argument('--train-data', dest='train_data', default=None,
                       help='an existing `dha-train data prep` folder (github + wikipedia train splits, the source\'s '
                            'tokenizer) instead of the stdlib corpus')

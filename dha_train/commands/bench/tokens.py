@@ -2,7 +2,8 @@
 seed 000's "GQA needs about 5x DHA's tokens" is about.
 
 Two teachers (``--teacher``), three arms each, each arm run once per seed of ``--seeds`` (the seed orders the
-batches and seeds every stage):
+batches and seeds every stage; each training stage after an arm's first adds its own offset to it, so it reads a
+fresh order of the data rather than replaying the batches the stage before it trained on):
 
 - ``quickstart``: the quickstart's MHA teacher at its 25% K+V budget (the run folder of ``--run``, made or reused),
   with the tiny recipes, evaluated on the quickstart's validation split:
@@ -34,7 +35,8 @@ length gives before any decay, alike for every arm (a cosine schedule would tie 
 
 Per arm and point: the mean loss over seeds with its 95% interval (Student's t over seeds). At each DHA point: the
 tokens each GQA arm needs to reach DHA's mean loss there (from its mean curve, linearly interpolated), over DHA's
-tokens, with a bootstrap interval over both arms' seeds (``ops.token_curves``). Writes ``results.json`` and
+tokens, with an interval from Welch's t test over both arms' seeds (``ops.token_curves``: a percentile bootstrap over
+3 seeds would cover about 75%). Writes ``results.json`` and
 ``tokens.png`` in ``--out`` (default ``<run>/bench_tokens``, or ``<run>/bench_tokens_<budget>`` for SmolLM2) and,
 with ``--results``, a copy of the results.
 """
@@ -82,6 +84,9 @@ SMOLLM2_ONLY = ('budget', 'fusion_batches', 'text', 'text_tokens', 'real')
 QUICKSTART_ONLY = ('quickstart_steps', 'conversion_steps')
 REAL_WARMUP = '1ba'  # every SmolLM2 CT's warm-up, whatever its length (bench real's is 10% of the run)
 MAX_DOCUMENT_CHARS = 4096  # as `bench mla-zero`: the text's sequences come from many documents, not the longest few
+# Each training stage after the first reads the loader with the run's seed plus its own offset, so it draws a fresh
+# order of the data, not the batches the stage before it trained on (both teachers; DHA's Search keeps the seed).
+FUSION_SEED, CT_AFTER_FUSION_SEED, TRANSFER_SEED, KL_SEED, CT_AFTER_HEALING_SEED = 104, 100, 101, 102, 103
 
 
 def say(message: str) -> None:
@@ -159,7 +164,7 @@ def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
             say(f'{ARMS[arm]}, seed {seed}')
             runs[arm].append(arms[arm](seed))
             save()
-    results.update(summarise(runs, seed=min(settings.seeds)))
+    results.update(summarise(runs))
     save()
     plot_tokens(results, work / 'tokens.png')
     if settings.results:
@@ -216,8 +221,8 @@ def quickstart_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
 
             trainer, config, _ = train_stage('dha/tiny/fusion.yaml', [
                 f'variables.data_root={data}', f'variables.save_root={out}', 'variables.name=dha',
-                f'variables.model_path={teacher}', f'variables.head_map={searched["head_map"]}', f'seed={seed}',
-                'autoresume=false', 'eval_first=false'], cap)
+                f'variables.model_path={teacher}', f'variables.head_map={searched["head_map"]}',
+                f'seed={seed + FUSION_SEED}', 'autoresume=false', 'eval_first=false'], cap)
             fusion = HeadFusion.of(trainer.state, 'bench tokens')
             hf = export_hf(config.save_folder, out / 'hf', overwrite=True)
             shutil.rmtree(config.save_folder, ignore_errors=True)
@@ -226,7 +231,7 @@ def quickstart_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
                     'final_fusion_loss': fusion.history[-1]['fusion_loss']}
         fused = stage(f'{prefix}-fusion', fusion)
         ct = curve(f'{prefix}-ct-{settings.ct_batches}', fused['hf_folder'], settings.ct_batches, 'dha/tiny/ct.yaml',
-                   seed)
+                   seed + CT_AFTER_FUSION_SEED)
         start = searched['tokens'] + fused['tokens']
         return {'seed': seed, 'search_tokens': searched['tokens'], 'fusion_tokens': fused['tokens'],
                 'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
@@ -248,23 +253,23 @@ def quickstart_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
                     **{key: value for key, value in report.items() if key.startswith('mean_')}}
         refitted = stage(f'{prefix}-refit', refit)
 
-        def healing(recipe: str, model: str):
+        def healing(recipe: str, model: str, offset: int):
             def build(out: Path) -> dict:
                 _, config, _ = train_stage(recipe, [
                     f'variables.model_path={model}', f'variables.source_path={teacher}', f'variables.data_root={data}',
-                    f'variables.save_root={out}', f'variables.steps={settings.heal_batches}ba', f'seed={seed}',
-                    'autoresume=false', 'run_name=run'], None)
+                    f'variables.save_root={out}', f'variables.steps={settings.heal_batches}ba',
+                    f'seed={seed + offset}', 'autoresume=false', 'run_name=run'], None)
                 hf = export_hf(out / 'run', out / 'hf', overwrite=True)
                 shutil.rmtree(out / 'run', ignore_errors=True)
                 return {'hf_folder': str(hf), 'loss': validation_loss(data, hf),
                         'tokens': train_tokens(config, SEQ_LEN)}
             return build
         transferred = stage(f'{prefix}-transfer-{settings.heal_batches}',
-                            healing('healing/tiny_transfer.yaml', refitted['hf_folder']))
+                            healing('healing/tiny_transfer.yaml', refitted['hf_folder'], TRANSFER_SEED))
         distilled = stage(f'{prefix}-kl-{settings.heal_batches}',
-                          healing('healing/tiny_kl.yaml', transferred['hf_folder']))
+                          healing('healing/tiny_kl.yaml', transferred['hf_folder'], KL_SEED))
         ct = curve(f'{prefix}-ct-{settings.heal_batches}-{settings.ct_batches}', distilled['hf_folder'],
-                   settings.ct_batches, 'gqa/tiny_ct.yaml', seed)
+                   settings.ct_batches, 'gqa/tiny_ct.yaml', seed + CT_AFTER_HEALING_SEED)
         healed = transferred['tokens'] + distilled['tokens']
         return {'seed': seed, 'refit_calibration_tokens': refitted['calibration_tokens'],
                 'points': [[0, refitted['loss']], [transferred['tokens'], transferred['loss']]]
@@ -315,7 +320,7 @@ def smollm2_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
         found = bench.dha_search(name, budget, seed=seed)
         fused = bench.dha_fusion(name, found['head_map'], fusion_cap, seed)
         # CT on its own seed: restarting the stream with Fusion's would replay Fusion's batches
-        points, batch_tokens = curve(f'{name}-ct', fused['hf_folder'], settings.ct_batches, seed + 100)
+        points, batch_tokens = curve(f'{name}-ct', fused['hf_folder'], settings.ct_batches, seed + CT_AFTER_FUSION_SEED)
         start = found['search_tokens'] + fused['fusion_tokens']
         return {'seed': seed, 'search_tokens': found['search_tokens'], 'fusion_tokens': fused['fusion_tokens'],
                 'fusion_batches': fused['batches'], 'fusion_converged_at': fused['converged_at'],
@@ -331,9 +336,10 @@ def smollm2_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
     def healed_gqa(seed: int) -> dict:
         name = f'tokens-seed{seed}-heal-{budget}'
         refitted = bench.refit(name, bench.mean_pool_convert(budget)['hf_folder'], seed)
-        transferred = bench.transfer(name, refitted['hf_folder'], settings.heal_batches, seed + 101)
-        distilled = bench.distil(name, transferred['hf_folder'], settings.heal_batches, seed + 102)
-        points, batch_tokens = curve(f'{name}-ct', distilled['hf_folder'], settings.ct_batches, seed + 103)
+        transferred = bench.transfer(name, refitted['hf_folder'], settings.heal_batches, seed + TRANSFER_SEED)
+        distilled = bench.distil(name, transferred['hf_folder'], settings.heal_batches, seed + KL_SEED)
+        points, batch_tokens = curve(f'{name}-ct', distilled['hf_folder'], settings.ct_batches,
+                                     seed + CT_AFTER_HEALING_SEED)
         healed = transferred['tokens'] + distilled['tokens']
         return {'seed': seed, 'refit_calibration_tokens': refitted['calibration_tokens'],
                 'points': [[healed + batch * batch_tokens, loss] for batch, loss in points]}
@@ -350,7 +356,7 @@ def smollm2_arms(settings: TokenBenchSettings) -> tuple[Arms, Path, dict]:
     return {'dha': dha, 'gqa': gqa, 'healed_gqa': healed_gqa}, work, about
 
 
-def summarise(runs: dict, *, seed: int = 0) -> dict:
+def summarise(runs: dict) -> dict:
     """Per arm, each point's mean over seeds with its interval; at each DHA point, each GQA arm's tokens to reach it."""
     curves = {}
     for arm, per_seed in runs.items():
@@ -368,7 +374,7 @@ def summarise(runs: dict, *, seed: int = 0) -> dict:
         if not np.all(shared == shared[0]):
             raise ValueError(f'{arm}: the seeds were evaluated at different tokens')
         reach[arm] = tokens_to_reach(curves['dha']['tokens'], curves['dha']['losses'], shared[0],
-                                     curves[arm]['losses'], seed=seed)
+                                     curves[arm]['losses'])
     summary['tokens_to_reach_dha'] = reach
     return summary
 

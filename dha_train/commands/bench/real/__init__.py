@@ -77,7 +77,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dha_train.bench_runner import model_config, prepare_data, say, source_folder
-from dha_train.bench_settings import BUDGETS, METHODS, TASKS, RealSettings, resolve_settings
+from dha_train.bench_settings import (
+    BUDGETS,
+    HEAD_POOLING_METHODS,
+    METHODS,
+    TASKS,
+    RealSettings,
+    budget_fraction,
+    budget_heads,
+    check_budgets,
+    resolve_settings,
+)
 from dha_train.commands.bench.real.methods import RealBench
 from dha_train.commands.bench.real.report import (
     add_intervals,
@@ -101,6 +111,8 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     source = source_folder(work, settings.source)
+    source_kv_heads = model_config(source).num_key_value_heads
+    check_budgets(settings.budgets, source_kv_heads)
     source_digest = folder_digest(source)
     train_data, heldout, data = prepare_data(work, source, settings, source_digest)
     bench = RealBench(settings, work, source, source_digest, train_data, heldout)
@@ -115,8 +127,7 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
                      'tasks': list(settings.tasks), 'include': [str(p) for p in settings.include],
                      'training_tokens_per_method': bench.tokens, 'batches_per_method': bench.batches,
                      'num_fewshot': 0},
-        'budgets': {'kv1': 'one K and one V head per layer (1/3 of the source K+V cache; MQA)',
-                    'kv2': '2 K + 2 V heads per layer on average (2/3 of the source K+V cache)'},
+        'budgets': {budget: _budget_description(budget, source_kv_heads) for budget in settings.budgets},
         'data': {'train': data['train'], 'heldout': data['heldout']},
         'accuracy': ('harness.headline: acc_norm where lm-eval gives it (piqa, arc, hellaswag, sciq), else acc '
                      '(winogrande); a seeded random sample of `limit` documents of the split each task scores, the '
@@ -143,6 +154,13 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
         for method in settings.methods:
             if method == 'moh':
                 continue
+            if method in HEAD_POOLING_METHODS and budget_heads(budget, source_kv_heads) is None:
+                reason = (f'{budget_fraction(budget, source_kv_heads):.3g} of the source\'s {source_kv_heads} K/V '
+                          'head(s) per layer is not a whole number of heads, at least one: only a latent (MLA) '
+                          'goes there')
+                bench.skipped.append({'method': method, 'budget': budget, 'reason': reason})
+                say(f'{method} at {budget}: skipped ({reason})')
+                continue
             say(f'{method} at {budget}')
             getattr(bench, method)(budget)
             save()
@@ -158,4 +176,9 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
     return results
 
 
-
+def _budget_description(budget: str, source_kv_heads: int) -> str:
+    fraction = budget_fraction(budget, source_kv_heads)
+    heads = budget_heads(budget, source_kv_heads)
+    pooled = (f'{heads} K + {heads} V head(s) per layer for the head-pooling methods' if heads is not None else
+              'no whole number of K/V heads: latent (MLA) rows only')
+    return f'{fraction:.4g} of the source K+V cache ({pooled}; MLA at the same cache bytes)'

@@ -12,7 +12,7 @@ import torch
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
 from dha_train.bench_runner import StageRunner, say
-from dha_train.bench_settings import MOH_ACTIVE, moh_setting
+from dha_train.bench_settings import MOH_ACTIVE, budget_fraction, budget_heads, moh_setting
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
@@ -26,6 +26,13 @@ from dha_train.stages import train_stage, train_tokens
 class RealBench(StageRunner):
     """Which stages each method runs at a budget, in which order and with which settings; each public method adds
     that method's rows."""
+
+    def heads(self, budget: str) -> int:
+        """The K/V heads per layer a head-pooling method keeps at ``budget`` (run_real_bench skips the budgets where
+        that is not a whole number)."""
+        heads = budget_heads(budget, self.source_map.layers[0].num_key_heads)
+        assert heads is not None, budget
+        return heads
 
     def teacher(self) -> None:
         self.evaluate('teacher', 'teacher', None, self.source, 0, 0.0)
@@ -42,7 +49,7 @@ class RealBench(StageRunner):
 
     def mean_pool_convert(self, budget: str) -> dict:
         """The stage ``meanpool-<budget>-convert``: the source mean-pooled to the budget's heads per layer."""
-        heads = _heads(budget)
+        heads = self.heads(budget)
 
         def convert(out: Path) -> dict:
             head_map = HeadMap.pooled(self.source_map, heads)
@@ -52,7 +59,7 @@ class RealBench(StageRunner):
         return self.stage(self.runs, f'meanpool-{budget}-convert', convert, heads=heads)
 
     def aligned_gqa(self, budget: str) -> None:
-        heads = _heads(budget)
+        heads = self.heads(budget)
         num_source = self.source_map.layers[0].num_key_heads
         if num_source % heads:
             reason = (f'aligned GQA needs equal groups: num_groups={heads} does not divide the source\'s {num_source} '
@@ -88,7 +95,7 @@ class RealBench(StageRunner):
                       gates_forced_closed=pruned['gates_forced_closed'])
 
     def asym_gqa(self, budget: str) -> None:
-        heads = _heads(budget)
+        heads = self.heads(budget)
         s = self.settings
         name = f'asym-{budget}'
         settings = SearchSettings(
@@ -145,7 +152,7 @@ class RealBench(StageRunner):
     def dha_servable(self, budget: str) -> None:
         """DHA whose Search keeps every layer servable (``head_search`` ``servable: true``). With one head per layer
         there is one map only, DHA's: its rows are reused when DHA ran here, else its stages (the same names)."""
-        if _heads(budget) == 1:
+        if self.heads(budget) == 1:
             same = [row for row in self.rows if row['method'] == 'dha' and row['budget'] == budget]
             if same:
                 for row in same:
@@ -159,7 +166,7 @@ class RealBench(StageRunner):
         self._dha(budget, servable=True)
 
     def _dha(self, budget: str, servable: bool) -> None:
-        heads = _heads(budget)
+        heads = self.heads(budget)
         # at one head per layer both Searches are skipped with the same map: the servable DHA shares DHA's stages
         name = f'dha-servable-{budget}' if servable and heads > 1 else f'dha-{budget}'
         method, title = ('dha_servable', 'DHA-servable') if servable else ('dha', 'DHA')
@@ -188,7 +195,7 @@ class RealBench(StageRunner):
     def dha_search(self, name: str, budget: str, servable: bool = False, seed: int | None = None) -> dict:
         """The stage ``<name>-search``: DHA's Search at the budget (``seed``, default the bench's, orders its
         batches), or, at one head per layer, the one map there is."""
-        heads = _heads(budget)
+        heads = self.heads(budget)
         s = self.settings
         fraction = heads / self.source_map.layers[0].num_key_heads
         search_overrides = self.overrides(name, s.search_batches, seed, model_path=self.source, kv_budget=fraction,
@@ -233,7 +240,7 @@ class RealBench(StageRunner):
         mean-pooled; when that map is mean-pool's own, the mean-pool row is the same model and is reused."""
         head_map = HeadMap.load(found['head_map'])
         label = f'{title} {budget} @0'
-        pooled = HeadMap.pooled(self.source_map, _heads(budget)).source_partitions(self.source_map)
+        pooled = HeadMap.pooled(self.source_map, self.heads(budget)).source_partitions(self.source_map)
         same = [row for row in self.rows if row['method'] == 'mean_pool' and row['budget'] == budget
                 and row['tokens'] == 0]
         if _same_partitions(head_map.source_partitions(self.source_map), pooled) and same:
@@ -255,7 +262,7 @@ class RealBench(StageRunner):
         joint latent by activation-aware SVD, ranks from the spectra (``convert --method mla``), then CT."""
         s = self.settings
         name = f'mla-{budget}'
-        fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
+        fraction = budget_fraction(budget, self.source_map.layers[0].num_key_heads)
         settings = MlaSettings(cache_fraction=fraction, data=str(self.train_data),
                                tokens=s.calib_tokens, batch_size=min(8, s.batch), rank_step=1, seed=s.seed,
                                device=s.device)
@@ -282,7 +289,7 @@ class RealBench(StageRunner):
         attention transfer and KL (``heal``)."""
         s = self.settings
         name = f'mla-deepseek-{budget}'
-        fraction = _heads(budget) / self.source_map.layers[0].num_key_heads
+        fraction = budget_fraction(budget, self.source_map.layers[0].num_key_heads)
 
         def converter(tokens: int):
             settings = DeepseekSettings(cache_fraction=fraction, data=str(self.train_data),
@@ -363,8 +370,6 @@ def moh_at_surgery(source: str | Path, out: str | Path, shared_heads: int, top_k
 
 
 
-def _heads(budget: str) -> int:
-    return {'kv1': 1, 'kv2': 2}[budget]
 
 
 def _same_partitions(a, b) -> bool:

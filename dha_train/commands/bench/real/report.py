@@ -10,16 +10,17 @@ from dha_train.bench_runner import say
 from dha_train.bench_settings import BUDGETS, METHODS
 
 
-def _paired_items(row: dict) -> tuple[dict, dict] | None:
-    """A row's per-document accuracies (its headline metric; per task, by document index) and per-sequence held-out
-    losses (per domain), from its evaluation's documents file; None for a row evaluated without one (older runs)."""
+def _paired_items(row: dict) -> tuple[dict, dict, dict] | None:
+    """A row's per-document accuracies (its headline metric; per task, by document index), per-sequence held-out
+    losses (per domain) and each sequence's document (per domain; the units a loss difference resamples), from its
+    evaluation's documents file; None for a row evaluated without one (older runs)."""
     path = row.get('documents_file')
     if not path or not Path(path).is_file():
         return None
     saved = json.loads(Path(path).read_text())
     accuracy = {task: {doc['doc_id']: doc[row['metric'][task]] for doc in docs}
                 for task, docs in saved['tasks'].items() if row['metric'].get(task)}
-    return accuracy, saved.get('heldout_sequences') or {}
+    return accuracy, saved.get('heldout_sequences') or {}, saved.get('heldout_sequence_documents') or {}
 
 
 def _shared(a: dict, b: dict) -> tuple[dict, dict]:
@@ -69,8 +70,11 @@ def _paired(theirs: tuple[dict, dict], mine: tuple[dict, dict], seed: int) -> di
     from dha_train.ops.intervals import paired_difference
 
     paired = {'accuracy': list(paired_difference(*_shared(theirs[0], mine[0]), seed=seed))}
-    if mine[1] and theirs[1]:
-        paired['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed))
+    if mine[1] and theirs[1]:  # both scored the same held-out split, so the same documents label its sequences
+        try:
+            paired['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed, documents=mine[2]))
+        except ValueError:  # a split of one document: nothing to resample, no interval
+            pass
     return paired
 
 
@@ -153,7 +157,9 @@ def print_table(results: dict) -> None:
           'seconds up to the row (reused stages count their recorded time); eval s: that row\'s evaluation')
 
 
-BUDGET_PANELS = {'kv1': 'a third of the cache', 'kv2': 'two thirds of the cache', None: 'the full cache'}
+# kv1 / kv2 are named as on SmolLM2 (3 K/V heads); half / third are the fractions of any source's
+BUDGET_PANELS = {'kv1': 'a third of the cache', 'kv2': 'two thirds of the cache', 'half': 'half the cache',
+                 'third': 'one third of the cache', None: 'the full cache'}
 
 
 def panel_curves(results: dict, metric: str, half_width: str) -> dict[str, dict]:

@@ -136,7 +136,7 @@ def headline_table(runs: list[dict]) -> str:
 
 
 RANKING_KINDS = {'converted': '0 tokens', 'kl': 'healed', 'trained': 'own training'}
-CACHE_NAMES = {'kv1': 'a third', 'kv2': 'two thirds', None: 'the whole'}
+CACHE_NAMES = {'kv1': 'a third', 'kv2': 'two thirds', 'half': 'a half', 'third': 'a third', None: 'the whole'}
 
 
 def ranking_table(runs: list[dict]) -> str:
