@@ -93,3 +93,26 @@ def test_a_deepseek_format_card_states_its_share_of_the_sources_mha_cache(source
     # the source is MHA: its share of MHA is its share of the source, a quarter to the latent rank's step
     assert block['fraction_of_mha_kv'] == pytest.approx(block['fraction_of_source_kv']) == pytest.approx(0.25, abs=0.02)
     assert f'kv_lora_rank {config.kv_lora_rank}' in block['attention']
+
+
+
+def test_a_deepseek_card_at_a_third_written_to_four_digits_states_a_third(tmp_path, tokenizer_dir, data_root):
+    # SmolLM2-135M's attention (9 query heads, 3 K/V heads of 64) with mla.md's --cache-fraction 0.3333: a third of its
+    # 384 numbers is 128 a token and layer, 96 + 32 in whole blocks, 1/9 of MHA's 2 x 9 x 64 = 1,152. Floored to
+    # 127 numbers, the whole blocks kept 96 (64 + 32), and the card stated 0.083333 of MHA, 0.25 of the source.
+    from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
+
+    torch.manual_seed(0)
+    source_config = LlamaConfig(vocab_size=384, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256)
+    LlamaForCausalLM(source_config).save_pretrained(tmp_path / 'smol-shaped')
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'smol-shaped')
+    report = convert_to_deepseek(tmp_path / 'smol-shaped', tmp_path / 'deepseek', DeepseekSettings(
+        cache_fraction=0.3333, data=str(data_root), tokens=256, sample_tokens=128, batch_size=2))
+    assert report['quantizable_cache'] and (report['kv_lora_rank'], report['qk_rope_head_dim']) == (96, 32)
+    block = read_model_card(tmp_path / 'deepseek')[0]['dha_train']
+    head_dim = source_config.hidden_size // source_config.num_attention_heads
+    mha_values = 2 * source_config.num_attention_heads * head_dim
+    source_values = 2 * source_config.num_key_value_heads * head_dim
+    assert block['fraction_of_mha_kv'] == pytest.approx(128 / mha_values, abs=1e-6)  # 0.111111
+    assert block['fraction_of_source_kv'] == pytest.approx(128 / source_values, abs=1e-6)  # 0.333333

@@ -107,7 +107,9 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int, bool]:
     is the quantizable one)."""
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     source = 2 * kv_heads * dim
-    numbers = math.floor(settings.cache_fraction * source + 1e-9)  # cached per token and layer
+    # cached per token and layer: the nearest whole count, not the floor, so a fraction written to a few digits
+    # names its count (0.3333 of SmolLM2's 384 is 127.99: floored to 127, whole blocks kept 96, a quarter)
+    numbers = round(settings.cache_fraction * source)
     if quantizable(settings, numbers, dim):
         return (*quantizable_split(numbers, dim, settings.rope_pairs), source, True)
     default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))

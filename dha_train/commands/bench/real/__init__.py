@@ -76,6 +76,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from dha_train import families
 from dha_train.bench_runner import model_config, prepare_data, say, source_folder
 from dha_train.bench_settings import (
     BUDGETS,
@@ -150,9 +151,16 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
 
     bench.teacher()
     save()
+    source_family = families.of(config, 'bench real')
+    refused = {method: source_family.refusal(method if method != 'dha_servable' else 'dha', config)
+               for method in settings.methods}
     for budget in settings.budgets:
         for method in settings.methods:
             if method == 'moh':
+                continue
+            if refused[method]:  # a feature of the source's family the method's maths cannot carry
+                bench.skipped.append({'method': method, 'budget': budget, 'reason': refused[method]})
+                say(f'{method} at {budget}: skipped ({refused[method]})')
                 continue
             if method in HEAD_POOLING_METHODS and budget_heads(budget, source_kv_heads) is None:
                 reason = (f'{budget_fraction(budget, source_kv_heads):.3g} of the source\'s {source_kv_heads} K/V '
@@ -164,7 +172,9 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
             say(f'{method} at {budget}')
             getattr(bench, method)(budget)
             save()
-    if 'moh' in settings.methods:
+    if 'moh' in settings.methods and refused['moh']:
+        bench.skipped.append({'method': 'moh', 'budget': None, 'reason': refused['moh']})
+    elif 'moh' in settings.methods:
         say('MoH')
         bench.moh()
         save()
