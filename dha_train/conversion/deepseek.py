@@ -58,6 +58,9 @@ ROPE_BUDGET_CAP = 1 / 3  # of the numbers cached per token and layer
 # to the unrounded 40 + 216. So it is the default up to a third of the source's cache, and an option above.
 QUANTIZABLE_BY_DEFAULT_UP_TO = 1 / 3  # of the source's cache
 QUANTIZABLE_KEY_SHARE = 0.25  # of the numbers cached per token and layer
+# --cache-fraction is read to three decimals: a budget may exceed it by this much of the source's cache, so 0.333
+# and 0.3333 are a third
+FRACTION_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -107,9 +110,9 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int, bool]:
     is the quantizable one)."""
     dim, kv_heads = head_dim(config), config.num_key_value_heads
     source = 2 * kv_heads * dim
-    # cached per token and layer: the nearest whole count, not the floor, so a fraction written to a few digits
-    # names its count (0.3333 of SmolLM2's 384 is 127.99: floored to 127, whole blocks kept 96, a quarter)
-    numbers = round(settings.cache_fraction * source)
+    # cached per token and layer, the fraction read to three decimals (FRACTION_TOLERANCE): 0.3333 of SmolLM2's
+    # 384 is 127.99, and floored to 127 the quantizable split's whole blocks kept 96, a quarter for a third asked
+    numbers = min(source, math.floor((settings.cache_fraction + FRACTION_TOLERANCE) * source + 1e-9))
     if quantizable(settings, numbers, dim):
         return (*quantizable_split(numbers, dim, settings.rope_pairs), source, True)
     default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))
