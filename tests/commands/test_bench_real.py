@@ -328,3 +328,41 @@ def test_intermediate_rows_get_fewer_documents_never_more_than_the_ranking_rows(
     assert resolve_settings(RealSettings(device='cpu', limit=40)).intermediate_limit == 40
     with pytest.raises(ConfigError, match='intermediate_limit .* must not exceed limit'):
         resolve_settings(RealSettings(device='cpu', limit=40, intermediate_limit=80))
+
+
+def test_a_one_kv_head_source_takes_fractional_budgets_with_latent_rows_only(tmp_path, tokenizer_dir, data_root):
+    """An MQA source (one K/V head, as Gemma 3 270M) at half its cache: the head-pooling methods are skipped with
+    the reason (no whole number of heads), DeepSeek's format is skipped with the family layer's refusal (attention
+    biases), MLA's row holds half the source's cache bytes; a budget at or above the source's cache is refused."""
+    from dha_train.bench_settings import budget_fraction, budget_heads
+    from dha_train.config import ConfigError
+
+    assert budget_fraction('third', 1) == pytest.approx(1 / 3) and budget_fraction('kv1', 3) == pytest.approx(1 / 3)
+    assert budget_heads('kv2', 3) == 2 and budget_heads('third', 3) == 1 and budget_heads('half', 3) is None
+    assert budget_heads('half', 1) is None and budget_heads('half', 4) == 2
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=4 * HEAD_DIM, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=HEAD_DIM, max_position_embeddings=512,
+                         attention_bias=True, tie_word_embeddings=True)
+    source = tmp_path / 'mqa'
+    LlamaForCausalLM(config).save_pretrained(source)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(source)
+    raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
+    task = build_local_task(raw, tmp_path / 'task', examples=6, fewshot_examples=2, max_words=120)
+    settings = RealSettings(
+        out=str(tmp_path / 'bench'), device='cpu', source=str(source), train_data=str(data_root),
+        tokens=2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, calib_tokens=128,
+        eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], heal=False, isolate_stages=False,
+        methods=('mean_pool', 'mla', 'mla_deepseek'), budgets=('half',))
+    with pytest.raises(ConfigError, match='kv1 is not below'):
+        run_real_bench(replace(settings, budgets=('kv1',)))
+    results = run_real_bench(settings)
+    skipped = {entry['method']: entry['reason'] for entry in results['skipped']}
+    assert 'not a whole number of heads' in skipped['mean_pool']
+    assert 'attention_bias' in skipped['mla_deepseek'] or 'bias' in skipped['mla_deepseek']
+    teacher = next(row for row in results['rows'] if row['method'] == 'teacher')
+    mla = [row for row in results['rows'] if row['method'] == 'mla']
+    assert {row['label'] for row in mla} == {'MLA half @0', 'MLA half +CT'}
+    assert all(row['kv_bytes'] == teacher['kv_bytes'] // 2 for row in mla)
+    assert 'latent (MLA) rows only' in results['budgets']['half']
