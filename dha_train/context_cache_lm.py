@@ -57,14 +57,20 @@ class ContextCachedLM(HFLM):
         if self.backend != 'causal':
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        # an empty continuation has no token to predict: (0.0, True), as HFLM answers it beside a one-token one
+        empty = [i for i, (_, _, continuation) in enumerate(requests) if not continuation]
+        for i in empty:
+            results[i] = (0.0, True)
+            if requests[i][0] is not None:
+                self.cache_hook.add_partial('loglikelihood', requests[i][0], results[i])
         too_long = [i for i, (_, context, continuation) in enumerate(requests)
-                    if len(context) + len(continuation) > self.max_length + 1]
+                    if continuation and len(context) + len(continuation) > self.max_length + 1]
         if too_long:  # HFLM truncates these from the left; its own path keeps that behaviour exactly
             for i, answer in zip(too_long, super()._loglikelihood_tokens([requests[i] for i in too_long],
                                                                          disable_tqdm=True, override_bs=override_bs)):
                 results[i] = answer
         groups: dict[tuple[int, ...], list[int]] = {}
-        skipped = set(too_long)
+        skipped = set(too_long) | set(empty)
         for i, (_, context, _) in enumerate(requests):
             if i not in skipped:
                 groups.setdefault(tuple(context), []).append(i)
@@ -73,7 +79,7 @@ class ContextCachedLM(HFLM):
         alone = sorted((i for context, members in groups.items() if context not in shared for i in members),
                        key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 16
-        progress = tqdm(total=len(requests) - len(too_long), disable=disable_tqdm or self.rank != 0,
+        progress = tqdm(total=len(requests) - len(skipped), disable=disable_tqdm or self.rank != 0,
                         desc='Running loglikelihood requests (contexts shared)')
 
         def done(indices: list[int], answers: list[tuple[float, bool]]) -> None:

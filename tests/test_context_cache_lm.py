@@ -77,3 +77,24 @@ def test_which_contexts_are_shared():
     assert _worth_sharing(tuple(range(80)), [[1, 2, 3]] * 4)  # sciq: a long support paragraph, short answers
     assert not _worth_sharing(tuple(range(15)), [list(range(40))] * 2)  # piqa: a short goal, long solutions
     assert not _worth_sharing(tuple(range(30)), [[1, 2, 3]])  # one choice: nothing to share
+
+
+
+def test_empty_continuations_score_as_hflm_scores_them(llama):
+    # HFLM runs an empty continuation with a one-token one of its context (the same input) and answers (0.0, True):
+    # nothing to predict, and every one of no tokens greedy. ContextCachedLM raised IndexError on such a batch.
+    model, tokenizer = llama
+    long_context, short_context = list(range(5, 85)), list(range(90, 96))
+    requests = [(None, long_context, [7, 8]), (None, long_context, []), (None, long_context, [9]),
+                (None, short_context, []), (None, [17, 18], [19, 20, 21]), (None, short_context, [13]),
+                (None, long_context, [12])]
+    answers = {}
+    for lm_class in (HFLM, ContextCachedLM):
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=4, device='cpu', max_length=2048)
+        answers[lm_class] = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert answers[HFLM][1] == answers[HFLM][3] == (0.0, True)
+    assert [greedy for _, greedy in answers[ContextCachedLM]] == [greedy for _, greedy in answers[HFLM]]
+    assert [ll for ll, _ in answers[ContextCachedLM]] == pytest.approx([ll for ll, _ in answers[HFLM]], abs=1e-4)
+    # alone (HFLM asserts there is a continuation), and with a one-token context, the same answer
+    assert lm._loglikelihood_tokens([(None, [3], []), (None, [4, 5], [6]), (None, [7], [])],
+                                    disable_tqdm=True)[::2] == [(0.0, True)] * 2
