@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dha_train.commands.bench.real.report import marked_difference
 from dha_train.commands.bench.real.tables import _headline_stage
 
 
@@ -19,6 +20,17 @@ from dha_train.commands.bench.real.tables import _headline_stage
 ])
 def test_each_headline_row_names_the_stages_its_model_went_through(label, method, stage):
     assert _headline_stage({'label': label, 'method': method}) == stage
+
+
+@pytest.mark.parametrize('difference, printed', [
+    ([0.020, 0.0004, 0.039], '+0.020 [+0.000, +0.039]'),  # excludes 0, but not as printed: no star
+    ([-0.020, -0.039, -0.0004], '-0.020 [-0.039, -0.000]'),
+    ([0.020, 0.0006, 0.039], '+0.020 [+0.001, +0.039]*'),
+    ([-0.020, -0.039, -0.0006], '-0.020 [-0.039, -0.001]*'),
+    ([0.005, -0.010, 0.020], '+0.005 [-0.010, +0.020]'),
+])
+def test_a_difference_is_starred_where_its_printed_interval_excludes_0(difference, printed):
+    assert marked_difference(difference) == printed
 
 
 def test_the_ranking_orders_each_group_by_loss_and_pairs_each_row_with_the_one_ahead(tmp_path):

@@ -107,13 +107,15 @@ def with_interval(value: float | None, half: float | None, digits: int = 3) -> s
 
 
 def marked_difference(difference: list[float] | None, digits: int = 3) -> str:
-    """A paired difference and its interval, ``*`` where the interval excludes 0 (significant at 95%)."""
+    """A paired difference and its interval, ``*`` where the interval excludes 0 (significant at 95%) as printed:
+    an end that prints as 0.000 does not, so the star never sits beside "[+0.000, +0.039]"."""
     from dha_train.ops.intervals import excludes_zero
 
     if not difference:
         return '-'
     value, low, high = difference
-    return f'{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]' + ('*' if excludes_zero(low, high) else '')
+    marked = excludes_zero(round(low, digits), round(high, digits))
+    return f'{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]' + ('*' if marked else '')
 
 
 def print_intervals(results: dict) -> None:
