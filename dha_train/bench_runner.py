@@ -21,12 +21,13 @@ from pathlib import Path
 from dha_train.bench_settings import RealSettings
 from dha_train.bench_support import bench_source
 from dha_train.config import ConfigError
-from dha_train.conversion.refit import RefitSettings, refit_folder
+from dha_train.conversion.refit import REFIT_REPORT, RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
 from dha_train.evaluation import DOCUMENTS_FILE, run_eval
 from dha_train.export import export_hf
 from dha_train.harness import headline
+from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
 from dha_train.stages import BatchDigests, Stage, mean_eval_curve, train_stage, train_tokens
@@ -291,6 +292,7 @@ class StageRunner:
         self.tokens = self.batches * settings.batch * settings.seq_len
         self.rows: list[dict] = []
         self.skipped: list[dict] = []
+        self.healing_starts: dict[str, str] = {}  # a healing start's model digest -> the label its rows carry
         self.task_data: dict = {}
         # A stage is reused only when everything it reads is as before: its folder is named by a digest of the
         # settings and input folders it reads (``stage``) and of what every stage reads: the source's files (another
@@ -428,6 +430,10 @@ class StageRunner:
                 self.runs, f'{name}-refit', refit[0], model=converted, **refit[1])
             seconds += refitted['seconds']
             start = refitted['hf_folder']
+        if self._same_healing(label, method, budget, start, ['+refit'] * (refit is not False) + ['+transfer', '+KL'],
+                              **extra):
+            return
+        if refit is not False:
             self.evaluate(f'{label} +refit', method, budget, start, 0, seconds, intermediate=True, stage='refit',
                           stage_s=refitted['seconds'], **extra)
         transferred = self.transfer(name, start, transfer_batches)
@@ -439,6 +445,26 @@ class StageRunner:
         self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
                       transferred['tokens'] + distilled['tokens'], seconds, stage='kl', lr=s.kl_lr,
                       stage_s=distilled['seconds'], **extra)
+
+    def _same_healing(self, label: str, method: str, budget: str | None, start: str, stages: list[str],
+                      **extra) -> bool:
+        """Whether an earlier healing chain started from the same model (its weights, config and tokenizer): then its
+        rows are this chain's, recorded ``same_as`` them (ranked once), and no stage trains it again. Aligned GQA at
+        one group refits to mean-pool's very weights, and the same start and seeds heal to the same model."""
+        digest = folder_digest(start, skip=('README.md', REFIT_REPORT))
+        earlier = self.healing_starts.setdefault(digest, label)
+        if earlier == label:
+            return False
+        rows = {row['label']: row for row in self.rows}
+        if any(f'{earlier} {stage}' not in rows for stage in stages):
+            return False
+        for stage in stages:
+            row = rows[f'{earlier} {stage}']
+            self.rows.append({**row, **extra, 'label': f'{label} {stage}', 'method': method, 'budget': budget,
+                              'same_as': row['label'],
+                              'note': f'healed from the same model as {earlier} (the same weights): its figures'})
+        say(f'{label}: heals from the same model as {earlier}; its rows are reused')
+        return True
 
     def refit(self, name: str, converted: str | Path, seed: int | None = None) -> dict:
         """The stage ``<name>-refit``: ``dha-train refit`` of a 0-token conversion against the source, on

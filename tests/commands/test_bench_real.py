@@ -319,6 +319,66 @@ def test_an_intermediate_row_pairs_with_the_teacher_on_the_documents_they_share(
     assert intermediate['accuracy_ci95'] == 0.0
 
 
+
+def test_a_chain_healing_the_same_model_as_an_earlier_one_is_recorded_same_as_it_and_not_trained(tmp_path):
+    """Aligned GQA at one group refits to mean-pool's very weights (the record ranked both kv1 +KL rows, at 4.370
+    each): a healing chain whose start holds the same model files as an earlier chain's (its card and refit report
+    apart) takes that chain's rows ``same_as`` them, trains nothing and does not rank; a different model heals."""
+    import shutil
+
+    from dha_train.bench_runner import StageRunner
+    from dha_train.commands.bench.real.report import ranking_groups
+
+    def model_folder(name: str, seed: int) -> Path:
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    refits = {'meanpool-kv1': model_folder('meanpool-refit', 0), 'agqa-kv1': tmp_path / 'agqa-refit',
+              'other-kv1': model_folder('other-refit', 1)}
+    shutil.copytree(refits['meanpool-kv1'], refits['agqa-kv1'])
+    for name, folder in refits.items():  # what differs between the two refits of one model: card and report
+        (folder / 'README.md').write_text(f'# {name}\n')
+        (folder / 'refit.json').write_text(json.dumps({'converted': f'{name}-convert'}))
+
+    class Runner(StageRunner):  # the healing stages stubbed: each refit gives its folder, training is recorded
+        def __init__(self):
+            self.settings, self.batches = RealSettings(device='cpu'), 4
+            self.rows, self.healing_starts, self.trained = [], {}, []
+
+        def refit(self, name, converted, seed=None):
+            return {'hf_folder': str(refits[name]), 'seconds': 1.0}
+
+        def transfer(self, name, model, batches, seed=None):
+            self.trained.append(f'{name}-transfer')
+            return {'hf_folder': f'{name}-transfer', 'tokens': 2 * batches, 'seconds': 1.0}
+
+        def distil(self, name, model, batches, seed=None):
+            self.trained.append(f'{name}-kl')
+            return {'hf_folder': f'{name}-kl', 'tokens': 2 * batches, 'seconds': 1.0}
+
+        def evaluate(self, label, method, budget, hf, tokens, build_seconds, intermediate=False, **extra):
+            self.rows.append({'label': label, 'method': method, 'budget': budget, 'tokens': tokens,
+                              'val_loss': 4.0 - len(self.rows) / 10, 'accuracy_ci95': 0.02, 'hf_folder': str(hf),
+                              'evaluation': 'intermediate' if intermediate else 'ranking', **extra})
+
+    runner = Runner()
+    for name, label, method in (('meanpool-kv1', 'mean-pool kv1', 'mean_pool'),
+                                ('agqa-kv1', 'aligned GQA kv1', 'aligned_gqa'), ('other-kv1', 'MLA kv1', 'mla')):
+        runner.heal(name, label, method, 'kv1', f'{name}-convert', 1.0)
+    assert runner.trained == [f'{name}-{stage}' for name in ('meanpool-kv1', 'other-kv1') for stage in ('transfer', 'kl')]
+    rows = {row['label']: row for row in runner.rows}
+    for stage in ('+refit', '+transfer', '+KL'):
+        aligned, pooled = rows[f'aligned GQA kv1 {stage}'], rows[f'mean-pool kv1 {stage}']
+        assert aligned['same_as'] == pooled['label'] and aligned['method'] == 'aligned_gqa'
+        assert (aligned['val_loss'], aligned['tokens'], aligned['hf_folder']) == (
+            pooled['val_loss'], pooled['tokens'], pooled['hf_folder'])
+        assert 'same_as' not in rows[f'MLA kv1 {stage}']
+    assert [[row['label'] for row in group] for group in ranking_groups(runner.rows).values()] == [
+        ['MLA kv1 +KL', 'mean-pool kv1 +KL']]
+
+
 def test_intermediate_rows_get_fewer_documents_never_more_than_the_ranking_rows():
     from dha_train.bench_settings import resolve_settings
     from dha_train.config import ConfigError

@@ -15,7 +15,9 @@ every method (all stages resumable: a stage counts as done once its ``DONE.json`
   DHA-served model), then continued pre-training (CT, ``yamls/real/ct.yaml``);
 - aligned GQA: ``run_align`` (num_groups must divide the 3 source heads: only ``kv1``; ``kv2`` is recorded as
   skipped with that reason), mean-pooled to its groups (0 tokens), then its pruning run (``kv_head_transfer`` +
-  ``distillation`` from the source, ``yamls/real/prune.yaml``) and export;
+  ``distillation`` from the source, ``yamls/real/prune.yaml``) and export. At one group its refit is mean-pool's
+  refit, weight for weight, so its healing rows are mean-pool's, recorded ``same_as`` (any healing chain whose start
+  holds an earlier chain's model files reuses that chain's rows, ``StageRunner.heal``);
 - AsymGQA: ``run_search(method='asym')`` (unequal groups), mean-pooled (0 tokens), then CT. With one group per
   layer (``kv1``) there is one grouping only, so no search runs; when the map found equals the mean-pool map the
   model is the same, and the row reuses the mean-pool row's figures (recorded as ``same_as``);
