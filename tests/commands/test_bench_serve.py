@@ -43,18 +43,25 @@ def models(tmp_path_factory, tokenizer_dir, data_root) -> dict[str, Path]:
 
 
 def test_sequences_decoded_together_each_decode_as_the_prompt_alone(models):
-    """Every sequence holds its own copy of the prompt's cache: each of three decoded together, and one decoded
-    after them, gives the tokens greedy decoding gives alone; the cache is one stream's size per sequence."""
+    """Every sequence holds its own copy of the prompt's cache and its own new tokens: three decoded together, each
+    from its own first token after the prompt (so each reads a different context), and one decoded after them, give
+    each the tokens greedy decoding gives that sequence alone; the cache is one stream's size per sequence."""
     prompt = list(range(5, 105))
     with EngineProcess(LlamaCppModel, models['gqa.gguf'], n_ctx=CONTEXT) as alone:
         expected = alone.greedy(prompt, 9)
+        firsts = [expected[0], 200, 300]
+        # each sequence alone: the prompt, its first token, then greedy
+        alone_after = [alone.greedy(prompt + [first], 8) for first in firsts]
         single_mib = alone.kv_cache.k_mib + alone.kv_cache.v_mib
+    assert alone_after[0] == expected[1:]
+    # the three decode differently, so a sequence that read another's cache would decode another's tokens
+    assert len({tuple(tokens) for tokens in alone_after}) == 3
     with EngineProcess(LlamaCppSequences, models['gqa.gguf'], sequences=3, context=CONTEXT, threads=1) as engine:
         assert engine.kv_cache.mib == pytest.approx(3 * single_mib, abs=0.011)
         assert engine.kv_mib_per_sequence == pytest.approx(single_mib, abs=0.011)
         assert engine.fill(prompt) > 0 and engine.next_token == expected[0]
-        tokens_per_second, generated = engine.decode(3, 8, [engine.next_token] * 3)
-        assert tokens_per_second > 0 and generated == [expected[1:]] * 3
+        tokens_per_second, generated = engine.decode(3, 8, firsts)
+        assert tokens_per_second > 0 and generated == alone_after
         # the new tokens are removed after a round: the next round reads the prompt's cache again
         assert engine.decode(1, 8, [engine.next_token])[1] == [expected[1:]]
         with pytest.raises(LlamaCppError, match='active sequences'):
