@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dha_train.bench_settings import RealSettings
-from dha_train.commands.bench.tokens import TokenBenchSettings, run_token_bench, summarise
+from dha_train.commands.bench.tokens import TokenBenchSettings, run_token_bench
 from dha_train.config import ConfigError
 from helpers import SEQ_LEN, save_tiny_smollm2_shape
 
@@ -51,7 +51,30 @@ def test_bench_tokens_on_a_gqa_source_at_two_thirds_runs_bench_reals_stages(tmp_
     assert runs['gqa'][0]['points'][-1][1] != runs['gqa'][1]['points'][-1][1]
     for healed in runs['healed_gqa']:  # transfer and KL, a batch each, before CT's first point
         assert [x for x, _ in healed['points']] == [2 * batch_tokens, 4 * batch_tokens]
-    assert summarise(runs)['tokens_to_reach_dha'] == results['tokens_to_reach_dha']
+    # the summary from the recorded points by hand: each arm's mean over seeds at each point (t(1) = 12.706 for the
+    # interval over 2 seeds), and at each DHA point the tokens where GQA's mean curve, linear between its points,
+    # first reaches DHA's mean loss there
+    for arm, per_seed in runs.items():
+        losses = np.array([[y for _, y in run['points']] for run in per_seed])
+        for point, summary in zip(losses.T, results['curves'][arm]):
+            assert summary['loss'] == pytest.approx(point.mean(), abs=1e-12)
+            assert summary['ci95'] == pytest.approx(12.706 * point.std(ddof=1) / np.sqrt(2), rel=1e-3)
+    dha_tokens = np.mean([[x for x, _ in run['points']] for run in runs['dha']], axis=0)
+    dha_losses = np.mean([[y for _, y in run['points']] for run in runs['dha']], axis=0)
+    for arm in ('gqa', 'healed_gqa'):
+        xs = np.array([x for x, _ in runs[arm][0]['points']], dtype=float)
+        mean_curve = np.mean([[y for _, y in run['points']] for run in runs[arm]], axis=0)
+        for tokens, loss, reach in zip(dha_tokens, dha_losses, results['tokens_to_reach_dha'][arm]):
+            assert (reach['tokens'], reach['loss']) == (pytest.approx(tokens), pytest.approx(loss, abs=1e-12))
+            at_or_below = np.flatnonzero(mean_curve <= loss)
+            if not at_or_below.size:
+                assert reach['other_tokens_needed'] is None and reach['ratio'] is None
+                continue
+            first = at_or_below[0]
+            needed = xs[0] if first == 0 else xs[first - 1] + (xs[first] - xs[first - 1]) * (
+                (mean_curve[first - 1] - loss) / (mean_curve[first - 1] - mean_curve[first]))
+            assert reach['other_tokens_needed'] == pytest.approx(needed, rel=1e-9)
+            assert reach['ratio'] == pytest.approx(needed / tokens, rel=1e-9)
     assert (tmp_path / 'bench' / 'bench_tokens_kv2' / 'tokens.png').is_file()
 
 
@@ -67,3 +90,26 @@ def test_a_setting_of_the_other_teacher_is_refused_not_ignored():
     filled = resolve(TokenBenchSettings(teacher='smollm2'))
     assert (filled.run, filled.budget, filled.gqa_batches, filled.text_tokens) == ('bench_real', 'kv2', 16, 8192)
     assert resolve(TokenBenchSettings()).text_tokens is None  # the quickstart scores its own validation split
+
+
+def test_the_summary_is_the_seeds_mean_curves_and_where_gqas_first_reaches_dhas_mean_loss():
+    """Two seeds an arm whose answers are known: DHA's means are 3.1 at 105 tokens and 2.1 at 205; mean-pool's mean
+    curve (4.1, 3.5, 2.5, 1.5 at 0, 100, 200, 300) crosses 3.1 at 100 + 0.4 x 100 = 140 and 2.1 at 240; the healed
+    arm stays at 5 and never reaches either."""
+    from dha_train.commands.bench.tokens import summarise
+
+    def arm(points_per_seed):
+        return [{'seed': seed, 'points': points} for seed, points in enumerate(points_per_seed)]
+
+    runs = {'dha': arm([[(100, 3.0), (200, 2.0)], [(110, 3.2), (210, 2.2)]]),
+            'gqa': arm([[(0, 4.0), (100, 3.4), (200, 2.4), (300, 1.4)], [(0, 4.2), (100, 3.6), (200, 2.6), (300, 1.6)]]),
+            'healed_gqa': arm([[(0, 5.0), (300, 5.0)], [(0, 5.0), (300, 5.0)]])}
+    summary = summarise(runs)
+    # two seeds 0.2 apart: sd 0.1414, t(1) 12.706, half-width 12.706 x 0.1414 / sqrt(2) = 1.2706
+    assert [(p['tokens'], p['tokens_range'], p['loss'], p['ci95']) for p in summary['curves']['dha']] == [
+        (105, [100, 110], pytest.approx(3.1), pytest.approx(1.2706, abs=1e-4)),
+        (205, [200, 210], pytest.approx(2.1), pytest.approx(1.2706, abs=1e-4))]
+    reach = summary['tokens_to_reach_dha']
+    assert [(r['other_tokens_needed'], r['ratio']) for r in reach['gqa']] == [
+        (pytest.approx(140), pytest.approx(140 / 105)), (pytest.approx(240), pytest.approx(240 / 205))]
+    assert [(r['other_tokens_needed'], r['ratio']) for r in reach['healed_gqa']] == [(None, None)] * 2
