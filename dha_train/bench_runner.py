@@ -3,19 +3,14 @@ only when every setting it reads is as before."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import html
 import json
-import os
-import random
 import re
 import shlex
 import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from html.parser import HTMLParser
 from pathlib import Path
 
 from dha_train.bench_settings import RealSettings
@@ -27,22 +22,18 @@ from dha_train.data.prep import prep_redpajama
 from dha_train.evaluation import DOCUMENTS_FILE, run_eval
 from dha_train.export import export_hf
 from dha_train.harness import headline
+from dha_train.heldout_texts import (
+    HELDOUT_DOMAIN,
+    HELDOUT_SOURCE,
+    heldout_documents,
+    share_cap_chars,
+    text_documents,
+    tokenize_documents,
+)
 from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
 from dha_train.stages import BatchDigests, Stage, mean_eval_curve, train_stage, train_tokens
-
-HELDOUT_DOMAIN = 'book'  # the data folder's label for the held-out text (prep needs one of the RedPajama names)
-HELDOUT_SOURCE = Path('/usr/share/doc')
-# /usr/share/doc folders about Python would overlap the training corpus (the stdlib's docstrings).
-_HELDOUT_SKIP = re.compile(r'python|pip|setuptools|numpy|scipy', re.IGNORECASE)
-# The texts benches score on besides /usr/share/doc, as file globs (``text_files``): vim's help files, the validation
-# text recipes and conversion defaults are chosen on (`bench fusion`, `bench mla-zero`); the Rust book's chapters (its
-# one-page print.html, which repeats every chapter, and its index pages left out), held out from training and choosing.
-VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
-BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
-_HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|thanks|history|usage|manual)',
-                            re.IGNORECASE)
 
 
 def say(message: str) -> None:
@@ -68,156 +59,6 @@ def source_folder(work: Path, source: str) -> Path:
     return bench_source(work, source, say=say)
 
 
-def heldout_documents(root: Path = HELDOUT_SOURCE, max_bytes: int = 2_000_000, seed: int = 0,
-                      max_document_chars: int | None = None) -> list[tuple[str, dict]]:
-    """Plain-text documentation under ``root`` (READMEs, NEWS, changelogs, .txt/.md/.rst, gzipped or not),
-    deduplicated by content, licence/copyright files and Python-related folders left out; shuffled with ``seed``
-    (the val split is taken from the front) and capped at ``max_bytes`` of text, each document counted as its first
-    ``max_document_chars`` (what ``tokenize_documents`` keeps)."""
-    import gzip
-
-    seen, documents = set(), []
-    for path in sorted(p for p in root.rglob('*') if p.is_file()):
-        relative = path.relative_to(root)
-        name = path.name.removesuffix('.gz')
-        if _HELDOUT_SKIP.search(relative.parts[0]) or name.lower().startswith(('copyright', 'license', 'licence')):
-            continue
-        if Path(name).suffix.lower() not in ('.txt', '.md', '.rst') and not _HELDOUT_NAMES.match(name):
-            continue
-        try:
-            raw = gzip.decompress(path.read_bytes()) if path.name.endswith('.gz') else path.read_bytes()
-            text = raw.decode('utf-8')
-        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
-            continue
-        digest = hashlib.sha256(raw).hexdigest()
-        if len(text) < 500 or digest in seen:
-            continue
-        seen.add(digest)
-        documents.append((text, {'path': str(path), 'source': str(root)}))
-    random.Random(seed).shuffle(documents)
-    chosen, total = [], 0
-    for text, meta in documents:
-        if total >= max_bytes:
-            break
-        chosen.append((text, meta))
-        total += len(text[:max_document_chars].encode('utf-8'))
-    return chosen
-
-
-# --- texts any bench scores: HTML pages and plain text files -----------------------------------------------------
-class _VisibleText(HTMLParser):
-    """An HTML page's visible text, paragraph breaks kept, navigation, scripts and styles left out."""
-
-    HIDDEN = ('script', 'style', 'nav', 'head')
-    BLOCKS = ('p', 'pre', 'h1', 'h2', 'h3', 'h4', 'li', 'div', 'tr')
-
-    def __init__(self):
-        super().__init__()
-        self.parts: list[str] = []
-        self.hidden = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.hidden += tag in self.HIDDEN
-
-    def handle_endtag(self, tag):
-        if tag in self.HIDDEN:
-            self.hidden = max(0, self.hidden - 1)
-        if tag in self.BLOCKS:
-            self.parts.append('\n')
-
-    def handle_data(self, data):
-        if not self.hidden:
-            self.parts.append(data)
-
-
-def text_files(where: str) -> list[Path]:
-    """The files a text is made of: every file under a folder, or the files a glob (``~`` expanded) matches."""
-    where = os.path.expanduser(where)
-    if Path(where).is_dir():
-        return sorted(p for p in Path(where).rglob('*') if p.is_file())
-    return sorted(Path(p) for p in glob.glob(where, recursive=True) if Path(p).is_file())
-
-
-def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
-    """The visible text of every HTML file and the text of every .txt, .md, .rst or .pod file of at least ``min_chars``,
-    deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
-    documents, seen = [], set()
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst', '.pod'):
-            continue
-        try:
-            raw = path.read_text(encoding='utf-8')
-        except (OSError, UnicodeDecodeError):
-            continue
-        if suffix in ('.html', '.htm'):
-            parser = _VisibleText()
-            parser.feed(raw)
-            raw = html.unescape(''.join(parser.parts))
-        text = re.sub(r'\n\s*\n+', '\n\n', raw).strip()
-        if len(text) >= min_chars and text not in seen:
-            seen.add(text)
-            documents.append((text, {'path': str(path)}))
-    random.Random(seed).shuffle(documents)
-    return documents
-
-
-# A scored text's independent units are its documents: at least this many in a split for a 95% interval to say
-# something beyond them (the figures test holds docs/results to it), none more than a few percent of its tokens.
-MIN_DOCUMENTS = 64
-DOCUMENTS_PER_SPLIT = 96  # each document capped at this fraction of the split's tokens, so a full split has ~96
-CHARS_PER_TOKEN = 3.5  # a low estimate for English text and code, so a capped document rarely exceeds its share
-
-
-def share_cap_chars(val_tokens: int) -> int:
-    """About 1/DOCUMENTS_PER_SPLIT of a split of ``val_tokens``, in characters."""
-    return max(64, int(CHARS_PER_TOKEN * val_tokens / DOCUMENTS_PER_SPLIT))
-
-
-def document_cap_chars(lengths: Sequence[int], val_tokens: int) -> int | None:
-    """The characters kept of each document (of ``lengths`` characters) for a split of ``val_tokens``: about
-    1/DOCUMENTS_PER_SPLIT of its tokens, or more where the documents are too few to fill twice the split at that cap
-    (the least that does; None, no cap, when even whole they do not)."""
-    needed = 2 * CHARS_PER_TOKEN * val_tokens
-    if sum(lengths) <= needed:
-        return None
-    cap = share_cap_chars(val_tokens)
-    while sum(min(length, cap) for length in lengths) < needed:
-        cap *= 2  # doubling: the least such cap within a factor of 2, in a few passes
-    return cap
-
-
-def split_units(domain: dict) -> dict:
-    """How many documents a tokenized val split's sequences come from and the largest one's share of them (from the
-    documents `data prep` records for each sequence), printed with a warning under MIN_DOCUMENTS."""
-    documents = domain['val'].get('sample_documents') or []
-    counts = [documents.count(d) for d in sorted(set(documents))]
-    units = {'sequences': len(documents), 'documents': len(counts),
-             'largest_document_share': round(max(counts) / len(documents), 4) if counts else None}
-    if len(counts) < MIN_DOCUMENTS:
-        say(f'warning: the held-out split has {len(counts)} documents (fewer than {MIN_DOCUMENTS}): its intervals '
-            'say little beyond them')
-    return units
-
-
-def tokenize_documents(documents: list[tuple[str, dict]], out: Path, tokenizer: Path, name: str, *, seq_len: int,
-                       val_tokens: int) -> dict:
-    """``documents`` as one JSONL file under the held-out domain label, each cut to ``document_cap_chars`` (so the split's sequences come from many documents: a few long ones would fill it
-    alone, and their consecutive cuts are not independent), tokenized into ``out / 'data'`` with a val split of ``val_tokens``; the JSONL is removed
-    after. Returns that domain's manifest, with ``units`` (``split_units``)."""
-    corpus = out / 'corpus' / HELDOUT_DOMAIN
-    corpus.mkdir(parents=True, exist_ok=True)
-    cap = document_cap_chars([len(text) for text, _ in documents], val_tokens)
-    with (corpus / f'{name}.jsonl').open('w', encoding='utf-8') as handle:
-        for text, meta in documents:
-            handle.write(json.dumps({'text': text[:cap], 'meta': meta}, ensure_ascii=False) + '\n')
-    manifest = prep_redpajama([out / 'corpus'], out / 'data', tokenizer, seq_len=seq_len, val_tokens=val_tokens,
-                              overwrite=True, domain=HELDOUT_DOMAIN, progress=False)
-    shutil.rmtree(out / 'corpus')
-    domain = manifest['domains'][HELDOUT_DOMAIN]
-    return {**domain, 'units': {**split_units(domain), 'document_cap_chars': cap}}
-
-
 def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *, seed: int, tokens: int,
                 seq_len: int, max_document_chars: int | None = None) -> Path:
     """The documents of ``files`` tokenized with the source's tokenizer into a val split of ``tokens`` (a stage of
@@ -229,7 +70,7 @@ def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *
         documents = [(text[:max_document_chars], meta) for text, meta in text_documents(files, seed=seed)]
         if not documents:
             raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod files of 2,000+ characters) in {where}')
-        domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens)
+        domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens, say=say)
         return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val'],
                 'units': domain['units']}
 
@@ -260,7 +101,7 @@ def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_dig
                                       max_document_chars=share_cap_chars(settings.val_tokens))
         if not documents:
             raise RuntimeError(f'bench real: no held-out text found under {HELDOUT_SOURCE}')
-        val = tokenize_documents(documents, out, tokenizer, f'{HELDOUT_DOMAIN}-heldout', seq_len=settings.seq_len,
+        val = tokenize_documents(documents, out, tokenizer, f'{HELDOUT_DOMAIN}-heldout', seq_len=settings.seq_len, say=say,
                                  val_tokens=settings.val_tokens)
         return {'root': str(out / 'data'), 'documents': len(documents), 'domain_label': HELDOUT_DOMAIN,
                 'split_evaluated': 'val', 'manifest': val, 'units': val['units'],

@@ -83,6 +83,7 @@ class RealSettings:
     overrides: dict = field(default_factory=dict)  # recipe variables, e.g. {'lr': 5e-5}
     isolate_stages: bool = True  # each stage in a fresh process (False: all in this one; the tests' small runs)
     heal: bool = True  # healing rows (refit, attention transfer, KL) after each method's 0-token conversion
+    ct: bool = True  # each method's own-training rows (CT, aligned GQA's pruning, MoH's continue-tuning; not DHA's)
     transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
     transfer_lr: float = 3.0e-4  # attention transfer's peak lr (only the attention trains)
     kl_lr: float = 1.0e-4  # the KL stage's peak lr

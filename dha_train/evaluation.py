@@ -36,7 +36,7 @@ from dha_train.methods import kv_cache_bytes
 from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import TOKENIZER_FILES, has_tokenizer, load_causal_lm, load_model_config
 from dha_train.models.llama_layout import attention_modules
-from dha_train.ops.intervals import mean_of_means_interval
+from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 from dha_train.paths import write_file_atomically
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
@@ -147,6 +147,27 @@ def sequence_documents(data_root: str | Path) -> dict[str, list[int] | None]:
 
     return {domain: entry.get('val', {}).get('sample_documents')
             for domain, entry in read_manifest(str(data_root))['domains'].items() if entry.get('val')}
+
+
+def loss_interval(sequences: dict[str, list[float]], data_root: str | Path) -> tuple[float, float | None]:
+    """(held-out loss, its 95% half-width) of ``sequence_losses`` on ``data_root``, its documents the units: the
+    one way every bench puts an interval on a loss. A text of one document has no interval (None)."""
+    try:
+        return mean_of_means_interval(sequences, sequence_documents(data_root))
+    except ValueError:
+        return domain_means(sequences)['mean'], None
+
+
+def paired_loss_difference(a: dict[str, list[float]], b: dict[str, list[float]], data_root: str | Path,
+                           seed: int = 0) -> tuple[float, float | None, float | None]:
+    """(b's loss minus a's, its 95% interval) of two models' ``sequence_losses`` on the same ``data_root``, whole
+    documents resampled: the one way every bench compares two losses. A text of one document has no interval."""
+    try:
+        return paired_difference(a, b, seed=seed, documents=sequence_documents(data_root))
+    except ValueError as error:
+        if 'documents' not in str(error):
+            raise
+        return domain_means(b)['mean'] - domain_means(a)['mean'], None, None
 
 
 def heldout_document_counts(documents: dict[str, list[int] | None], sequences: dict[str, list[float]]) -> dict:

@@ -75,7 +75,7 @@ def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp
     # paired against a reference scored on the same sequences: a model against itself differs by exactly 0
     reference = {'gqa_at_0': {'label': 'MLA weight SVD @0'}, 'gqa_after_ct': {'label': 'MLA default +CT'},
                  'dha_after_ct': {'label': 'MLA default, distilled +CT'}}
-    paired = {(entry['row'], entry['against']): entry for entry in mla_paired(rows, reference, sequences, seed=0)}
+    paired = {(entry['row'], entry['against']): entry for entry in mla_paired(rows, reference, sequences, data_root, seed=0)}
     assert paired['MLA default +CT', 'MLA default +CT']['difference'] == 0
     assert paired['MLA default +CT', 'MLA default +CT']['ci95'] == [0, 0]
     gap = paired['MLA default @0', 'MLA weight SVD @0']

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dha_train.bench_runner import text_documents, text_files
 from dha_train.calibration import calibrate, calibration_batches
 from dha_train.commands.bench.mla_zero import (
     MlaZeroSettings,
@@ -31,6 +30,7 @@ from dha_train.commands.bench.mla_zero import (
 from dha_train.config import ConfigError
 from dha_train.evaluation import attention_output_errors
 from dha_train.harness import LOCAL_TASK, build_local_task
+from dha_train.heldout_texts import text_documents, text_files
 from helpers import SEQ_LEN, save_tiny_smollm2_shape, write_redpajama_jsonl
 
 
@@ -136,16 +136,31 @@ def test_transmla_is_chosen_on_validation_alone():
     assert choose_on_validation(search) is search[1]  # lowest on validation, the first of equals; held-out unread
 
 
-def test_paired_rows_are_each_row_minus_the_reference_on_the_same_sequences():
+def test_paired_rows_are_each_row_minus_the_reference_on_the_same_sequences(tmp_path):
+    import json
+
+    from dha_train.data.prep import MANIFEST_NAME
+
     reference = {'label': 'TransMLA', 'budget': 'kv1', 'sequence_losses': {'fresh': {'d': [3.0, 4.0, 5.0, 6.0]}}}
     better = {'label': 'ours', 'budget': 'kv1', 'sequence_losses': {'fresh': {'d': [2.9, 3.8, 4.7, 5.6]},
                                                                       'book': {'d': [1.0, 2.0]}}}
     other_budget = {**better, 'label': 'ours kv2', 'budget': 'kv2'}
-    paired = paired_rows([reference, better, other_budget], reference, seed=0)
+    texts = {}
+    for text, documents in (('fresh', [0, 1, 2, 3]), ('book', [0, 1])):  # each sequence its own document
+        (tmp_path / text).mkdir()
+        (tmp_path / text / MANIFEST_NAME).write_text(json.dumps({'domains': {'d': {'val': {
+            'sample_documents': documents}}}}))
+        texts[text] = tmp_path / text
+    paired = paired_rows([reference, better, other_budget], reference, texts, seed=0)
     assert [(entry['row'], entry['text']) for entry in paired] == [('ours', 'fresh')]  # one text in common
     assert math.isclose(paired[0]['difference'], -0.25)
     low, high = paired[0]['ci95']
     assert -0.4 <= low <= -0.25 <= high <= -0.1
+    # two sequences of one document move together: resampled as one, the interval covers only the two documents' means
+    (tmp_path / 'fresh' / MANIFEST_NAME).write_text(json.dumps({'domains': {'d': {'val': {
+        'sample_documents': [0, 0, 1, 1]}}}}))
+    (entry,) = paired_rows([reference, better], reference, texts, seed=0)
+    assert {round(v, 6) for v in entry['ci95']} <= {-0.15, -0.35, -0.25}
 
 
 # A stand-in for TransMLA's checkout: its converter writes a DeepseekV3-layout model with no latent norm and
@@ -248,8 +263,8 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=1, max_words=60)
     for name in ('validation', 'book', 'fresh'):
         (tmp_path / name).mkdir()
-        for index in range(3):
-            (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 400)
+        for index in range(12):  # documents of 2,000+ characters, enough that the split's cuts span several
+            (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 120)
     write_fake_transmla(tmp_path / 'transmla')
     settings = MlaZeroSettings(
         out=str(tmp_path / 'bench'), budgets=('kv1',), rows=('deepseek', 'mean_pool_refit', 'transmla'),

@@ -426,3 +426,6 @@ def test_a_one_kv_head_source_takes_fractional_budgets_with_latent_rows_only(tmp
     assert {row['label'] for row in mla} == {'MLA half @0', 'MLA half +CT'}
     assert all(row['kv_bytes'] == teacher['kv_bytes'] // 2 for row in mla)
     assert 'latent (MLA) rows only' in results['budgets']['half']
+    # --no-ct: the same stages, without the method's own-training row
+    without_ct = run_real_bench(replace(settings, ct=False))
+    assert [row['label'] for row in without_ct['rows'] if row['method'] == 'mla'] == ['MLA half @0']

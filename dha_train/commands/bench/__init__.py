@@ -215,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--seed', type=int, default=17)
     real.add_argument('--no-heal', dest='heal', action='store_false',
                       help='leave out the healing rows (refit, attention transfer, KL after each 0-token conversion)')
+    real.add_argument('--no-ct', dest='ct', action='store_false',
+                      help='leave out each method\'s own-training rows (CT, aligned GQA\'s pruning, MoH\'s '
+                           'continue-tuning; DHA\'s Fusion + CT stay, they are its method)')
     real.add_argument('--refit-tokens', dest='refit_tokens', type=int, default=None,
                       help='calibration tokens of the healing refit (default 16384 CPU, 65536 cuda)')
     real.add_argument('--transfer-lr', dest='transfer_lr', type=float, default=3.0e-4,
@@ -443,7 +446,7 @@ def run_real(args: argparse.Namespace) -> int:
         out=args.out, device=args.device, tokens=args.tokens, limit=args.limit,
         intermediate_limit=args.intermediate_limit, seq_len=args.seq_len,
         batch=args.batch, microbatch=args.microbatch, val_tokens=args.val_tokens, calib_tokens=args.calib_tokens,
-        search_batches=args.search_batches, refit_tokens=args.refit_tokens, heal=args.heal,
+        search_batches=args.search_batches, refit_tokens=args.refit_tokens, heal=args.heal, ct=args.ct,
         transfer_fraction=args.transfer_fraction, transfer_lr=args.transfer_lr, kl_lr=args.kl_lr,
         asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
         budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,

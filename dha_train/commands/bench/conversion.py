@@ -46,12 +46,11 @@ from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
-from dha_train.evaluation import folder_sequence_losses
+from dha_train.evaluation import folder_sequence_losses, loss_interval, paired_loss_difference
 from dha_train.export import export_hf
 from dha_train.methods import kv_cache_bytes
 from dha_train.model_folders import load_model_config
 from dha_train.models.head_map import HeadMap
-from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 from dha_train.quickstart import run_quickstart
 from dha_train.stages import (
     DHA_NAME,
@@ -150,7 +149,7 @@ def sequence_scorer(data: Path, into: dict):
     ``into[label]`` for paired comparisons, and returned as (mean of the domains' means, its 95% half-width)."""
     def score(label: str, folder: str | Path) -> tuple[float, float]:
         into[label] = folder_sequence_losses(folder, {label: data})[label]
-        return mean_of_means_interval(into[label])
+        return loss_interval(into[label], data)
     return score
 
 
@@ -289,7 +288,7 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
         results['mla'] = []  # filled row by row, so that save() keeps what was measured
         mla_rows(run / 'export' / 'hf', run / 'data', work, num_groups / teacher_config.num_key_value_heads,
                  budget_batches, seed, into=results['mla'], save=save, score=score)
-        results['mla_paired'] = mla_paired(results['mla'], results['reference'], sequences, seed)
+        results['mla_paired'] = mla_paired(results['mla'], results['reference'], sequences, run / 'data', seed)
         save()
         print_mla_paired(results['mla_paired'])
     _print_method_table(results, stages)
@@ -303,7 +302,7 @@ def run_conversion_bench(run: str | Path = 'quickstart_run', out: str | Path | N
 MLA_PAIRS = (('after_conversion', 'gqa_at_0'), ('after_training', 'gqa_after_ct'), ('after_training', 'dha_after_ct'))
 
 
-def mla_paired(rows: list[dict], reference: dict, sequences: dict, seed: int) -> list[dict]:
+def mla_paired(rows: list[dict], reference: dict, sequences: dict, data: Path, seed: int) -> list[dict]:
     """Each MLA row's loss minus a reference row's (``MLA_PAIRS``), with a 95% paired bootstrap interval over the
     validation sequences both were scored on."""
     paired, done = [], set()
@@ -313,8 +312,8 @@ def mla_paired(rows: list[dict], reference: dict, sequences: dict, seed: int) ->
             if label is None or (label, against) in done:  # the distilled row shares the default's 0-token model
                 continue
             done.add((label, against))
-            difference, low, high = paired_difference(sequences[reference[against]['label']], sequences[label],
-                                                      seed=seed)
+            difference, low, high = paired_loss_difference(sequences[reference[against]['label']],
+                                                           sequences[label], data, seed=seed)
             paired.append({'row': label, 'against': reference[against]['label'], 'point': point,
                            'difference': difference, 'ci95': [low, high]})
     return paired
@@ -356,7 +355,8 @@ def mla_paired_table(paired: list[dict]) -> str:
     lines = ['| MLA row | minus | difference [95%] |', '| --- | --- | --- |']
     for entry in paired:
         low, high = entry['ci95']
-        lines.append(f'| {entry["row"]} | {entry["against"]} | {entry["difference"]:+.4f} [{low:+.4f}, {high:+.4f}] |')
+        interval = '' if low is None else f' [{low:+.4f}, {high:+.4f}]'  # None: a text of one document
+        lines.append(f'| {entry["row"]} | {entry["against"]} | {entry["difference"]:+.4f}{interval} |')
     return '\n'.join(lines)
 
 

@@ -28,22 +28,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dha_train.bench_runner import (
-    VALIDATION_GLOB,
-    StageRunner,
-    command_line,
-    prepare_data,
-    source_folder,
-    text_files,
-    text_folder,
-)
+from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.bench_support import bench_say
+from dha_train.commands.bench.real.report import with_interval
 from dha_train.config import ConfigError
-from dha_train.evaluation import folder_sequence_losses
+from dha_train.evaluation import folder_sequence_losses, loss_interval, paired_loss_difference
+from dha_train.heldout_texts import VALIDATION_GLOB, text_files
 from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
-from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 from dha_train.paths import recipe_path
 
 RECIPE = 'real/fusion.yaml'
@@ -137,12 +130,12 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
                'tokens': len(fused['history']) * real.batch * real.seq_len, 'seconds': fused['seconds'],
                'ct_batches': remaining, 'ct_seconds': trained['seconds'] if trained is not None else 0.0}
         for text in texts:
-            row[f'{text}_loss'], row[f'{text}_ci95'] = mean_of_means_interval(baked[text])
-            row[f'budget_{text}_loss'], row[f'budget_{text}_ci95'] = mean_of_means_interval(at_budget[text])
+            row[f'{text}_loss'], row[f'{text}_ci95'] = loss_interval(baked[text], texts[text])
+            row[f'budget_{text}_loss'], row[f'budget_{text}_ci95'] = loss_interval(at_budget[text], texts[text])
         first = next(iter(sequences))
         if label != first:
-            row['vs_first'] = {text: list(paired_difference(sequences[first][text], at_budget[text],
-                                                            seed=settings.seed)) for text in texts}
+            row['vs_first'] = {text: list(paired_loss_difference(sequences[first][text], at_budget[text],
+                                                                 texts[text], seed=settings.seed)) for text in texts}
         results['rows'].append(row)
         bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
             f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f} baked, '
@@ -222,10 +215,11 @@ def markdown_table(results: dict) -> str:
         versus = '-'
         if row.get('vs_first'):
             value, low, high = row['vs_first']['validation']
-            versus = f'{value:+.3f} [{low:+.3f}, {high:+.3f}]' + ('*' if low > 0 or high < 0 else '')
+            versus = f'{value:+.3f}' + ('' if low is None else f' [{low:+.3f}, {high:+.3f}]'
+                                        + ('*' if low > 0 or high < 0 else ''))
         converged = row['converged_at'] if row['converged_at'] is not None else 'no'
         lines.append(f'| {row["label"]} | {converged} | {row["final_fusion_loss"]:.4f} | '
-                     f'{row["validation_loss"]:.3f} ± {row["validation_ci95"]:.3f} | {row["ct_batches"]} | '
-                     f'{row["budget_validation_loss"]:.3f} ± {row["budget_validation_ci95"]:.3f} | {versus} | '
-                     f'{row["budget_heldout_loss"]:.3f} ± {row["budget_heldout_ci95"]:.3f} |')
+                     f'{with_interval(row["validation_loss"], row["validation_ci95"])} | {row["ct_batches"]} | '
+                     f'{with_interval(row["budget_validation_loss"], row["budget_validation_ci95"])} | {versus} | '
+                     f'{with_interval(row["budget_heldout_loss"], row["budget_heldout_ci95"])} |')
     return '\n'.join(lines)

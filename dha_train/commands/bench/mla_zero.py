@@ -48,27 +48,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dha_train.bench_runner import (
-    BOOK_GLOB,
-    VALIDATION_GLOB,
-    StageRunner,
-    model_config,
-    prepare_data,
-    say,
-    source_folder,
-    text_files,
-    text_folder,
-)
+from dha_train.bench_runner import StageRunner, model_config, prepare_data, say, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.config import ConfigError
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import RefitSettings, refit_folder
-from dha_train.evaluation import attention_output_errors, domain_means, load_model, run_eval, sequence_losses
+from dha_train.evaluation import (
+    attention_output_errors,
+    domain_means,
+    load_model,
+    loss_interval,
+    paired_loss_difference,
+    run_eval,
+    sequence_losses,
+)
 from dha_train.harness import headline
+from dha_train.heldout_texts import BOOK_GLOB, VALIDATION_GLOB, text_files
 from dha_train.model_folders import folder_digest
-from dha_train.ops.intervals import mean_of_means_interval, paired_difference
 
 ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
@@ -274,7 +272,7 @@ def choose_on_validation(search: Sequence[dict]) -> dict:
     return min(search, key=lambda entry: entry['loss']['validation'])
 
 
-def paired_rows(rows: Sequence[dict], reference: dict, *, seed: int) -> list[dict]:
+def paired_rows(rows: Sequence[dict], reference: dict, texts: dict[str, Path], *, seed: int) -> list[dict]:
     """Each row of ``reference``'s budget against ``reference`` on every text both were scored on: the difference
     of the mean loss per sequence (row minus reference; below 0, the row is better) and its 95% bootstrap interval,
     the same sequences drawn for both."""
@@ -284,7 +282,8 @@ def paired_rows(rows: Sequence[dict], reference: dict, *, seed: int) -> list[dic
             continue
         for text, sequences in row['sequence_losses'].items():
             if text in reference['sequence_losses']:
-                difference, low, high = paired_difference(reference['sequence_losses'][text], sequences, seed=seed)
+                difference, low, high = paired_loss_difference(reference['sequence_losses'][text], sequences,
+                                                               texts[text], seed=seed)
                 paired.append({'budget': row['budget'], 'row': row['label'], 'against': reference['label'],
                                'text': text, 'difference': difference, 'ci95': [low, high]})
     return paired
@@ -430,7 +429,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             sequences[name] = runner.stage(runs / 'texts', f'{slug(label)}-{name}', build, model=folder,
                                            text=str(texts[name]), **norm_read(latent_norm))['sequence_losses']
         return {'loss': {name: domain_means(values)['mean'] for name, values in sequences.items()},
-                'loss_ci95': {name: mean_of_means_interval(values)[1] for name, values in sequences.items()},
+                'loss_ci95': {name: loss_interval(values, texts[name])[1] for name, values in sequences.items()},
                 'sequence_losses': sequences}
 
     def score(label: str, folder: str, latent_norm: bool = True) -> dict:
@@ -518,7 +517,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             save()
         chosen = [r for r in results['rows'] if r['budget'] == budget and r.get('chosen_on') == 'validation']
         if chosen:
-            results.setdefault('paired', []).extend(paired_rows(results['rows'], chosen[0], seed=settings.seed))
+            results.setdefault('paired', []).extend(paired_rows(results['rows'], chosen[0], texts, seed=settings.seed))
     save()
     print_table(results)
     print(f'  results.json in {runs}')
@@ -597,8 +596,9 @@ def paired_table(results: dict) -> str:
     lines = ['| budget | row | against | text | difference | 95% interval |', '|' + ' --- |' * 6]
     for entry in paired:
         low, high = entry['ci95']
+        interval = '-' if low is None else f'[{low:+.3f}, {high:+.3f}]'  # None: a text of one document
         lines.append(f"| {entry['budget']} | {entry['row']} | {entry['against']} | {TEXT_COLUMNS[entry['text']]} | "
-                     f"{entry['difference']:+.3f} | [{low:+.3f}, {high:+.3f}] |")
+                     f"{entry['difference']:+.3f} | {interval} |")
     return '\n'.join(lines)
 
 

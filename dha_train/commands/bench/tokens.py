@@ -51,20 +51,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dha_train.bench_runner import (
-    BOOK_GLOB,
-    command_line,
-    prepare_data,
-    run_stage,
-    source_folder,
-    text_files,
-    text_folder,
-)
+from dha_train.bench_runner import command_line, prepare_data, run_stage, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.bench_support import bench_say
 from dha_train.config import ConfigError
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.export import export_hf
+from dha_train.heldout_texts import BOOK_GLOB, text_files
 from dha_train.model_folders import folder_digest
 from dha_train.ops.token_curves import seed_interval, tokens_to_reach
 from dha_train.quickstart import run_quickstart

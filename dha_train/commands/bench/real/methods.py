@@ -43,6 +43,8 @@ class RealBench(StageRunner):
         self.evaluate(f'mean-pool {budget} @0', 'mean_pool', budget, converted['hf_folder'], 0, converted['seconds'],
                       groups=converted['groups'])
         self.heal(name, f'mean-pool {budget}', 'mean_pool', budget, converted['hf_folder'], converted['seconds'])
+        if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
+            return
         trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'mean-pool {budget} +CT', 'mean_pool', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], groups=converted['groups'])
@@ -88,6 +90,8 @@ class RealBench(StageRunner):
             transfer = next(a for a in trainer.state.algorithms if isinstance(a, KVHeadTransfer))
             return {'gates_frozen_at': transfer.frozen_at, 'gates_forced_closed': transfer.forced_closed}
 
+        if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
+            return
         pruned = self.train(f'{name}-prune', 'real/prune.yaml', self.batches, then=gates,
                             model_path=aligned['aligned'], teacher_path=self.source, num_groups=heads)
         self.evaluate(f'aligned GQA {budget} +prune', 'aligned_gqa', budget, pruned['hf_folder'], pruned['tokens'],
@@ -137,6 +141,8 @@ class RealBench(StageRunner):
         self.evaluate(f'AsymGQA {budget} @0', 'asym_gqa', budget, converted['hf_folder'], 0, seconds,
                       group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
         self.heal(name, f'AsymGQA {budget}', 'asym_gqa', budget, converted['hf_folder'], seconds, group_sizes=sizes)
+        if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
+            return
         trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'AsymGQA {budget} +CT', 'asym_gqa', budget, trained['hf_folder'], trained['tokens'],
                       seconds + trained['seconds'], group_sizes=sizes, calibration_tokens=found['calibration_tokens'])
@@ -279,6 +285,8 @@ class RealBench(StageRunner):
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
         self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
+        if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
+            return
         trained = self.ct(name, converted['hf_folder'])
         self.evaluate(f'MLA {budget} +CT', 'mla', budget, trained['hf_folder'], trained['tokens'],
                       converted['seconds'] + trained['seconds'], **extra)
@@ -330,6 +338,8 @@ class RealBench(StageRunner):
         # healed: attention transfer and KL from the source on the surgery's model (no refit: no K/V head is pooled)
         self.heal(name, f'MoH {active}/{heads}', 'moh', None, converted['hf_folder'], converted['seconds'],
                   refit=False, **setting)
+        if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
+            return
         trained = self.train(f'{name}-continue', 'real/moh.yaml', self.batches, model_path=self.source,
                              shared_heads=shared, top_k=top_k)
         self.evaluate(f'MoH {active}/{heads} +CT', 'moh', None, trained['hf_folder'], trained['tokens'],
