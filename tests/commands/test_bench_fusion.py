@@ -21,8 +21,8 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
         tmp_path, tokenizer_dir, data_root):
     save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
     (tmp_path / 'validation').mkdir()
-    for index in range(3):
-        (tmp_path / 'validation' / f'{index}.txt').write_text(f'validation text number {index}. ' * 400)
+    for index in range(12):  # documents of 2,000+ characters, enough that the split's cuts span several
+        (tmp_path / 'validation' / f'{index}.txt').write_text(f'validation text number {index}. ' * 120)
     settings = FusionBenchSettings(
         out=str(tmp_path / 'bench'), batches=(4,), omega_lr=(0.01, 0.4), lambda_lr=(20.0,), margin_steps=(0,),
         validation=str(tmp_path / 'validation'), text_tokens=4 * SEQ_LEN, source=str(tmp_path / 'gqa'),
