@@ -9,15 +9,17 @@ from pathlib import Path
 
 import torch
 
+from dha_train import families
 from dha_train.algorithms.head_fusion import HeadFusion
 from dha_train.algorithms.kv_head_transfer import KVHeadTransfer
-from dha_train.bench_runner import StageRunner, say
+from dha_train.bench_runner import StageRunner, model_config, say
 from dha_train.bench_settings import MOH_ACTIVE, budget_fraction, budget_heads, moh_setting
 from dha_train.conversion.align import TARGET_MAP_FILE, AlignSettings, run_align
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.search import SearchSettings, run_search
+from dha_train.families.base import ATTENTION_BIAS, QK_NORM
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
 from dha_train.stages import train_stage, train_tokens
@@ -284,7 +286,13 @@ class RealBench(StageRunner):
                  'rope_pairs': converted['rope_pairs'], 'freq_fold': converted['freq_fold'],
                  'calibration_tokens': converted['calibration_tokens']}
         self.evaluate(f'MLA {budget} @0', 'mla', budget, converted['hf_folder'], 0, converted['seconds'], **extra)
-        self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'], **extra)
+        # refit's latent regression has no bias term and no k_norm: such a source's MLA heals from attention transfer
+        config = model_config(self.source)
+        family = families.of(config, 'bench real')
+        unrefittable = any(feature.name in (ATTENTION_BIAS.name, QK_NORM.name) and feature.present(config)
+                           for feature in family.features)
+        self.heal(name, f'MLA {budget}', 'mla', budget, converted['hf_folder'], converted['seconds'],
+                  refit=False if unrefittable else None, **extra)
         if not self.settings.ct:  # --no-ct: the 0-token and healing rows only
             return
         trained = self.ct(name, converted['hf_folder'])
