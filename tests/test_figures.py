@@ -542,3 +542,17 @@ def test_a_results_file_with_63_documents_fails_and_64_holds():
             'val': {'samples': 256, 'tokens': 65536, 'documents': documents}}}}}
     assert document_problems('x', results(63)) and not document_problems('x', results(64))
     assert document_problems('x', {'data': {}})  # a file that records no count fails too
+
+
+GEMMA_LINE = '## Gemma 3 270M, a second real teacher'
+
+
+def test_the_gemma3_rows_on_the_families_page_are_the_bench_output():
+    """docs/families.md's Gemma 3 270M table is `dha-train bench real-tables`' healing table of its results file,
+    whose held-out split is over at least 64 documents."""
+    from dha_train.commands.bench.real.tables import healing_table, load_runs
+
+    results = RESULTS / 'bench_real_gemma3.json'
+    page = (REPO / 'docs' / 'families.md').read_text()
+    assert table_problems(page, healing_table(load_runs(results)), 'docs/families.md', after=GEMMA_LINE) == []
+    assert document_problems(results.name, json.loads(results.read_text())) == []
