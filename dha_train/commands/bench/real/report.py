@@ -70,11 +70,10 @@ def _paired(theirs: tuple[dict, dict], mine: tuple[dict, dict], seed: int) -> di
     from dha_train.ops.intervals import paired_difference
 
     paired = {'accuracy': list(paired_difference(*_shared(theirs[0], mine[0]), seed=seed))}
-    if mine[1] and theirs[1]:  # both scored the same held-out split, so the same documents label its sequences
-        try:
-            paired['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed, documents=mine[2]))
-        except ValueError:  # a split of one document: nothing to resample, no interval
-            pass
+    # both scored the same held-out split, so the same documents label its sequences; a split of one document has
+    # nothing to resample, so no loss interval
+    if mine[1] and theirs[1] and all(len(set(labels or range(2))) > 1 for labels in mine[2].values()):
+        paired['loss'] = list(paired_difference(theirs[1], mine[1], seed=seed, documents=mine[2]))
     return paired
 
 
