@@ -15,7 +15,8 @@ kept on the layer's module per forward (never in a global list). At ``Event.AFTE
 
     lm_weight * L_lm + weight * mean over layers of the normalised MSE
 
-(``lm_weight`` 0 by default). Under FSDP2, or with a positive ``lm_weight``, the layer output has the source's
+(``lm_weight`` 0 by default; without the carry below, at 0 the LM head computes only the last position's logits,
+no LM loss is taken and no train LM metric is kept, since none would reach the converted attention). Under FSDP2, or with a positive ``lm_weight``, the layer output has the source's
 values with the converted output's gradient path (a straight-through carry: FSDP2 unshards a layer for backward
 from hooks on its outputs), so a positive ``lm_weight`` trains the converted attention on the LM loss with the stream
 teacher-forced; at 0 that term is exactly zero. Otherwise the source's output is returned as is. Either way each
@@ -93,9 +94,11 @@ class AttentionTransfer(Algorithm):
         # Whether layer outputs carry the converted attention's gradient path (see the hook); set at FIT_START.
         self._carry = lm_weight > 0
         self._terms: Optional[torch.Tensor] = None  # detached per-layer MSE of the last micro-batch
+        self._skip_logits = False  # whether the LM head computes one position only (set at FIT_START)
 
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.INIT, Event.FIT_START, Event.AFTER_LOSS, Event.BATCH_END)
+        return event in (Event.INIT, Event.FIT_START, Event.BEFORE_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+                         Event.BATCH_END)
 
     def _install(self, state: State) -> None:
         model = hf_model(state.model)
@@ -179,10 +182,24 @@ class AttentionTransfer(Algorithm):
             # FSDP2 wraps each decoder layer as an FSDPModule subclass after INIT
             self._carry = self.lm_weight > 0 or any(type(layer).__name__.startswith('FSDP') for layer in
                                                     hf_model(state.model).model.layers)
+            # Without the carry no gradient reaches the LM head, and at lm_weight 0 the LM term is not in the loss:
+            # every position's logits (a vocabulary-wide matmul, most of Gemma 3 270M's forward) would be thrown
+            # away, so the head computes the last position's only (HF's logits_to_keep) and no LM loss is taken.
+            self._skip_logits = (not self._carry and self.lm_weight == 0
+                                 and 'logits_to_keep' in getattr(state.model, 'model_forward_args', ()))
+            if self._skip_logits:
+                # the train LM metric would score the source's stream (teacher forcing), not the converted model
+                state.train_metrics = {}
+        elif event == Event.BEFORE_FORWARD and self._skip_logits:
+            state.batch = {**{key: value for key, value in state.batch.items() if key != 'labels'},
+                           'logits_to_keep': 1}
+        elif event == Event.BEFORE_LOSS and self._skip_logits:
+            state.outputs['loss'] = state.outputs['logits'].new_zeros(())
         elif event == Event.AFTER_LOSS:
             errors = torch.stack([getattr(layer, SOURCE_MODULE).transfer_mse for layer in self._layers])
             lm = state.outputs['loss']
             state.loss = state.loss + (self.lm_weight - 1.0) * lm + self.weight * errors.mean()
+            # (with the logits skipped, lm is 0 and the loss is the MSE term alone, as it is at lm_weight 0 with them)
             self._terms = errors.detach()
             for layer in self._layers:
                 getattr(layer, SOURCE_MODULE).transfer_mse = None

@@ -165,3 +165,47 @@ def test_training_more_than_the_attention_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="trainable must be 'attention'.*got 'all'"):
         registry.algorithms.build_all({'attention_transfer': {'source_path': 'unused', 'trainable': 'all'}})
+
+
+def test_on_one_rank_without_fsdp_the_head_skips_the_logits_and_the_run_is_the_fsdp_run(tmp_path, tokenizer_dir,
+                                                                                          data_root):
+    """Without FSDP2's carry no gradient reaches the LM head, so at lm_weight 0 the head computes the last position
+    only (healing's speed on CPU, issue 62): the per-batch losses and the trained attention must equal those of the
+    same run under FSDP2 on one rank, which computes every position's logits and cancels their loss."""
+    from composer.core import Callback
+
+    from dha_train.export import export_hf
+    from dha_train.stages import train_stage
+    from safetensors.torch import load_file
+
+    _models(tmp_path, tokenizer_dir)
+
+    class LogitShapes(Callback):
+        def __init__(self):
+            self.shapes = []
+
+        def after_forward(self, state, logger):
+            self.shapes.append(tuple(state.outputs['logits'].shape))
+
+    runs = {}
+    for fsdp in (False, True):
+        shapes = LogitShapes()
+        save = tmp_path / f'run-{fsdp}'
+        overrides = [f'variables.model_path={tmp_path / "gqa"}', f'variables.source_path={tmp_path / "source"}',
+                     f'variables.data_root={data_root}', f'variables.save_root={save}', 'variables.steps=3ba',
+                     'global_train_batch_size=4', 'device_train_microbatch_size=2',
+                     'save_interval=3ba']
+        trainer, config, history = train_stage('healing/tiny_transfer.yaml', overrides, None,
+                                               extra_callbacks=[shapes], fsdp=fsdp)
+        hf = export_hf(save / config.run_name, tmp_path / f'hf-{fsdp}')
+        runs[fsdp] = ([loss for _, loss in history['train']], load_file(hf / 'model.safetensors'), shapes.shapes)
+    (plain, plain_weights, plain_shapes), (sharded, sharded_weights, sharded_shapes) = runs[False], runs[True]
+    assert {shape[1] for shape in plain_shapes} == {1} and {shape[1] for shape in sharded_shapes} == {64}
+    assert len(plain) == 3 and all(loss > 0 for loss in plain)
+    torch.testing.assert_close(torch.tensor(plain), torch.tensor(sharded), rtol=1e-5, atol=0)
+    assert plain_weights.keys() == sharded_weights.keys()
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(weight, sharded_weights[name], rtol=1e-4, atol=1e-6, msg=name)
+    trained = [name for name, weight in plain_weights.items()
+               if 'self_attn' in name and not torch.equal(weight, load_file(tmp_path / 'gqa' / 'model.safetensors')[name])]
+    assert trained  # the attention did train

@@ -1,6 +1,8 @@
 """`dha-train bench ...`: the benchmarks, each printing ratios measured in one run (CPU timings are noisy).
 
 - ``throughput``: training tokens/s, 1 process against 2 with FSDP2;
+- ``healing-speed``: the healing chain's tokens/s and where its stages spend their time, FSDP2 on 1 and 2 processes
+  against one plain process (issue 62);
 - ``conversion``: DHA against mean-pool GQA, aligned GQA, AsymGQA and MLA on the quickstart teacher;
 - ``moh``: MoH decode attention and decode tokens/s against MHA, and continue-tuning the quickstart teacher;
 - ``search``: activation similarity and grouping at LLaMA-2-7B geometry;
@@ -43,6 +45,7 @@ from dha_train.commands.bench.eval_speed import TASKS as EVAL_SPEED_TASKS
 from dha_train.commands.bench.eval_speed import EvalSpeedSettings, run_eval_speed_bench
 from dha_train.commands.bench.fusion import FusionBenchSettings, run_fusion_bench
 from dha_train.commands.bench.gqa_memory import run_gqa_memory_bench
+from dha_train.commands.bench.healing_speed import add_parser as add_healing_speed
 from dha_train.commands.bench.load import run_load_bench
 from dha_train.commands.bench.mla import run_mla_bench
 from dha_train.commands.bench.mla_zero import ROWS as MLA_ZERO_ROWS
@@ -71,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     throughput.add_argument('--steps', type=int, default=12, help='timed batches per run (after warm-up)')
     throughput.add_argument('--out', default=None, help='folder for the run logs and results.json')
     throughput.set_defaults(func=run_throughput)
+    add_healing_speed(bench)
     conversion = bench.add_parser('conversion', help='DHA vs mean-pool GQA at a 25%% KV budget on the quickstart '
                                   'teacher: losses, GQA tokens to match DHA fusion, equal budgets, step-time ratios')
     conversion.add_argument('--run', default='quickstart_run', help='quickstart run folder (finished stages reused)')
