@@ -173,10 +173,10 @@ def test_on_one_rank_without_fsdp_the_head_skips_the_logits_and_the_run_is_the_f
     only (healing's speed on CPU, issue 62): the per-batch losses and the trained attention must equal those of the
     same run under FSDP2 on one rank, which computes every position's logits and cancels their loss."""
     from composer.core import Callback
+    from safetensors.torch import load_file
 
     from dha_train.export import export_hf
     from dha_train.stages import train_stage
-    from safetensors.torch import load_file
 
     _models(tmp_path, tokenizer_dir)
 
