@@ -16,9 +16,9 @@ kept on the layer's module per forward (never in a global list). At ``Event.AFTE
     lm_weight * L_lm + weight * mean over layers of the normalised MSE
 
 (``lm_weight`` 0 by default; without the carry below, at 0 the LM head computes only the last position's logits,
-no LM loss is taken and no train LM metric is kept, since none would reach the converted attention). Under FSDP2, or with a positive ``lm_weight``, the layer output has the source's
-values with the converted output's gradient path (a straight-through carry: FSDP2 unshards a layer for backward
-from hooks on its outputs), so a positive ``lm_weight`` trains the converted attention on the LM loss with the stream
+no LM loss is taken and no train LM metric is kept, since none would reach the converted attention). Under FSDP2,
+or with a positive ``lm_weight``, the layer output has the source's values with the converted output's gradient path
+(a straight-through carry: FSDP2 unshards a layer for backward from hooks on its outputs), so a positive ``lm_weight`` trains the converted attention on the LM loss with the stream
 teacher-forced; at 0 that term is exactly zero. Otherwise the source's output is returned as is. Either way each
 converted attention reads its input detached, so a layer's MSE trains that layer's attention alone: without it, the
 carry let every later layer's MSE reach every earlier attention through the stream (layer-local gradients were off

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dha_train.bench_runner import StageRunner, prepare_data, source_folder
+from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.bench_support import bench_say, launch_bench_recipe
 from dha_train.model_folders import folder_digest
@@ -169,15 +169,15 @@ def _mean_pooled(runner: StageRunner, source: Path) -> str:
 
 
 def _summarise(results: dict) -> None:
-    base = results['arms'][BASE_ARM]
     for arm in results['arms'].values():
         tokens = sum(stage['tokens'] for stage in arm['stages'].values())
         seconds = sum(stage['seconds'] for stage in arm['stages'].values())
         trained = sum(stage['data_s'] + stage['compute_s'] for stage in arm['stages'].values())
         arm['chain'] = {'tokens': tokens, 'seconds': seconds, 'tokens_per_s': tokens / seconds,
                         'training_tokens_per_s': tokens / trained}
-        arm['chain']['speedup'] = arm['chain']['tokens_per_s'] / (
-            sum(s['tokens'] for s in base['stages'].values()) / sum(s['seconds'] for s in base['stages'].values()))
+    base = results['arms'][BASE_ARM]
+    for arm in results['arms'].values():
+        arm['chain']['speedup'] = arm['chain']['tokens_per_s'] / base['chain']['tokens_per_s']
         arm['loss_curve_max_relative_difference'] = {
             name: _curve_difference(stage['losses'], base['stages'][name]['losses'])
             for name, stage in arm['stages'].items()}
@@ -217,7 +217,6 @@ def add_parser(bench) -> None:
 
 
 def _run(args) -> int:
-    from dha_train.bench_runner import command_line
     from dha_train.config import ConfigError
 
     if args.batches < 2:
