@@ -16,6 +16,7 @@ from pathlib import Path
 from dha_train.bench_settings import RealSettings
 from dha_train.bench_support import bench_source
 from dha_train.config import ConfigError
+from dha_train.conversion.deepseek_choice import CHOICE_TOKENS
 from dha_train.conversion.refit import REFIT_REPORT, RefitSettings, refit_folder
 from dha_train.data.corpus import build_stdlib_corpus
 from dha_train.data.prep import prep_redpajama
@@ -69,7 +70,7 @@ def text_folder(runner: StageRunner, name: str, where: str, files: list[Path], *
     def build(out: Path) -> dict:
         documents = [(text[:max_document_chars], meta) for text, meta in text_documents(files, seed=seed)]
         if not documents:
-            raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod files of 2,000+ characters) in {where}')
+            raise ConfigError(f'no text (.html, .txt, .md, .rst, .pod, .pm, .h files of 2,000+ characters) in {where}')
         domain = tokenize_documents(documents, out, runner.source, name, seq_len=seq_len, val_tokens=tokens, say=say)
         return {'root': str(out / 'data'), 'source': where, 'documents': len(documents), 'val': domain['val'],
                 'units': domain['units']}
@@ -89,8 +90,11 @@ def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_dig
     def train_data(out: Path) -> dict:
         corpus = out / 'corpus'
         stats = build_stdlib_corpus(corpus, max_bytes_per_domain=settings.corpus_bytes, seed=0)
-        # No val split: nothing is evaluated on the training source (the held-out text is another source).
-        manifest = prep_redpajama([corpus], out / 'data', tokenizer, seq_len=settings.seq_len, val_tokens=0,
+        # A small val split, the user's own held-out data as `data prep` makes it: DeepSeek-format conversions choose
+        # their split and balance on it (conversion.deepseek_choice); no row is scored on it (the held-out text is
+        # another source).
+        manifest = prep_redpajama([corpus], out / 'data', tokenizer, seq_len=settings.seq_len,
+                                  val_tokens=CHOICE_TOKENS,
                                   overwrite=True, progress=False)
         shutil.rmtree(corpus)
         return {'root': str(out / 'data'), 'corpus': stats, 'domains': sorted(manifest['domains']),
@@ -111,7 +115,8 @@ def prepare_data(work: Path, tokenizer: Path, settings: RealSettings, source_dig
     if settings.train_data is not None:
         train = {'root': str(Path(settings.train_data).resolve()), 'source': f'given: {settings.train_data}'}
     else:
-        train = run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}',
+        train = run_stage(work, f'data-train-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}-{cap}'
+                                f'-v{CHOICE_TOKENS}',
                            train_data, settings.isolate_stages)
     heldout = run_stage(work, f'data-heldout-{tokenizer.name}-{source_digest[:8]}-s{settings.seq_len}'
                                f'-v{settings.val_tokens}', heldout_data, settings.isolate_stages)

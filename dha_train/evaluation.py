@@ -37,6 +37,7 @@ from dha_train.model_card import add_scores, read_model_card
 from dha_train.model_folders import TOKENIZER_FILES, has_tokenizer, load_causal_lm, load_model_config
 from dha_train.models.llama_layout import attention_modules
 from dha_train.ops.intervals import mean_of_means_interval, paired_difference
+from dha_train.ops.sequence_loss import mean_token_losses
 from dha_train.paths import write_file_atomically
 from dha_train.plots import plot_comparison
 from dha_train.stages import DONE_MARKER
@@ -117,8 +118,6 @@ def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8
     (its packed sequences in shard order, read straight from the shards): what a 95% interval over sequences and a
     paired comparison of two models on the same text need. Every sequence has the folder's length, so the mean of
     these is ``validation_loss``'s per-domain figure."""
-    import torch.nn.functional as F
-
     from dha_train.data.loaders import split_sequences
     from dha_train.data.prep import read_manifest
 
@@ -130,12 +129,7 @@ def sequence_losses(model, tokenizer, data_root: str | Path, batch_size: int = 8
             sequences = split_sequences(data_root, domain, 'val')
         except FileNotFoundError:
             continue  # a domain with no val split
-        values = []
-        for start in range(0, len(sequences), batch_size):
-            batch = torch.as_tensor(np.stack(sequences[start:start + batch_size]).astype(np.int64), device=device)
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            values += F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction='none').mean(dim=1).tolist()
-        losses[domain] = values
+        losses[domain] = mean_token_losses(model, sequences, batch_size, device)
     return losses
 
 

@@ -30,6 +30,10 @@ _HELDOUT_SKIP = re.compile(r'python|pip|setuptools|numpy|scipy', re.IGNORECASE)
 # text recipes and conversion defaults are chosen on (`bench fusion`, `bench mla-zero`); the Rust book's chapters (its
 # one-page print.html, which repeats every chapter, and its index pages left out), held out from training and choosing.
 VALIDATION_GLOB = '/usr/share/vim/vim*/doc/*.txt'
+# Two more validation texts of other kinds, for defaults that must hold across texts (`bench mla-zero`): C headers
+# (code in another language than the calibration's Python) and npm's bundled Markdown documentation.
+HEADERS_GLOB = '/usr/include/**/*.h'
+MARKDOWN_GLOB = '/usr/lib/node_modules/**/*.md'
 BOOK_GLOB = '~/.rustup/toolchains/*/share/doc/rust/html/book/ch*.html'
 _HELDOUT_NAMES = re.compile(r'^(readme|news|changes|changelog|faq|todo|authors|thanks|history|usage|manual)',
                             re.IGNORECASE)
@@ -104,12 +108,12 @@ def text_files(where: str) -> list[Path]:
 
 
 def text_documents(files: Sequence[Path], min_chars: int = 2000, seed: int = 0) -> list[tuple[str, dict]]:
-    """The visible text of every HTML file and the text of every .txt, .md, .rst or .pod file of at least ``min_chars``,
-    deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
+    """The visible text of every HTML file and the text of every .txt, .md, .rst, .pod, .pm or .h file of at least
+    ``min_chars``, deduplicated, shuffled with ``seed`` (the val split is taken from the front, so it is not the first files)."""
     documents, seen = [], set()
     for path in files:
         suffix = path.suffix.lower()
-        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst', '.pod'):
+        if suffix not in ('.html', '.htm', '.txt', '.md', '.rst', '.pod', '.pm', '.h'):
             continue
         try:
             raw = path.read_text(encoding='utf-8')

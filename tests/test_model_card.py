@@ -108,7 +108,8 @@ def test_a_deepseek_card_at_a_third_written_to_four_digits_states_a_third(tmp_pa
     LlamaForCausalLM(source_config).save_pretrained(tmp_path / 'smol-shaped')
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / 'smol-shaped')
     report = convert_to_deepseek(tmp_path / 'smol-shaped', tmp_path / 'deepseek', DeepseekSettings(
-        cache_fraction=0.3333, data=str(data_root), tokens=256, sample_tokens=128, batch_size=2))
+        cache_fraction=0.3333, quantizable_cache=True, data=str(data_root), tokens=256, sample_tokens=128,
+        batch_size=2))
     assert report['quantizable_cache'] and (report['kv_lora_rank'], report['qk_rope_head_dim']) == (96, 32)
     block = read_model_card(tmp_path / 'deepseek')[0]['dha_train']
     head_dim = source_config.hidden_size // source_config.num_attention_heads

@@ -18,7 +18,7 @@ MLA_FORMATS = ('dha_train', 'deepseek')
 # Options of the project's MLA class that DeepSeek's format has no room for (one rank, one shared RoPE key).
 _NOT_DEEPSEEK = ('pair_criterion', 'ranks', 'rank_step', 'factorisation')
 # Options of DeepSeek's format only (the project's MLA class has no latent norm).
-_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin', 'quantizable_cache')
+_DEEPSEEK_ONLY = ('latent_norm_fit', 'pin', 'quantizable_cache', 'choose_tokens')
 # Every MLA option defaults to None here, so an option that does not apply is refused rather than ignored; the
 # settings classes hold the defaults.
 _MLA_SHARED = ('rope_pairs', 'freq_fold', 'balance', 'data', 'tokens', 'batch_size', 'seed', 'device')
@@ -83,12 +83,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      default=None,
                      help='deepseek: size the latent and the RoPE key in whole 32-value blocks (the budget rounded '
                           'down to whole blocks), so that llama.cpp can quantize the cache (-ctk q8_0 -ctv q8_0: half '
-                          'the f16 bytes); the key nearest a quarter of the cached numbers, at stride 1. Default: so '
-                          'up to a third of the source\'s cache, where it cost nothing on the validation text, and '
-                          'not above (docs/methods/mla.md has the cost)')
+                          'the f16 bytes); the key nearest a quarter of the cached numbers, at stride 1. Default: '
+                          'chosen with --balance by the loss on the val split of --data (see --choose-tokens)')
+    mla.add_argument('--choose-tokens', dest='choose_tokens', type=int, default=None,
+                     help=f'deepseek: where --quantizable-cache or --balance is not given, every candidate is built '
+                          f'and the one of the lowest loss on this many tokens of the val split of --data is kept, '
+                          f'its choice and every loss in the model card (default {DeepseekSettings.choose_tokens}; 0, '
+                          f'or data with no val split: the fixed defaults, docs/methods/mla.md)')
     mla.add_argument('--balance', choices=BALANCES, default=None,
                      help=f'scale the keys against the values before the joint factorisation (default '
-                          f'{defaults.balance}; deepseek: {DeepseekSettings.balance}): energy (equal total energy '
+                          f'{defaults.balance}; deepseek: chosen, see --choose-tokens): energy (equal total energy '
                           'under the calibration covariance), feature_norm (TransMLA: equal mean per-feature norm) or '
                           'none')
     mla.add_argument('--data', default=None, help='`dha-train data prep` folder for calibration')
@@ -164,9 +168,16 @@ def run_deepseek(args: argparse.Namespace) -> int:
     print(f'dha-train convert --method mla --format deepseek: wrote {args.out_dir} (DeepseekV3ForCausalLM: '
           f'kv_lora_rank {report["kv_lora_rank"]}, a {report["qk_rope_head_dim"]}-dim RoPE key on pairs '
           f'{report["rope_pairs"]}, fold {report["freq_fold"]} ({report["rope_energy_kept"]:.1%} of the key energy '
-          f'kept rotated), {pins}, '
+          f'kept rotated), {pins}, {report["choice"]["chosen"]} ({_choice_text(report["choice"])}), '
           f'{report["cache_values_per_token"]} cache numbers per token: {report["fraction_of_source"]:.1%} of the '
           f'source KV cache, {report["fraction_of_mha"]:.1%} of MHA\'s, in an engine that caches the latent)')
     if note := missing_tokenizer_note(args.out_dir, args.model_dir):
         print(note)
     return 0
+
+
+def _choice_text(choice: dict) -> str:
+    if not choice.get('losses'):
+        return choice['on']
+    losses = ', '.join(f'{label} {loss:.4f}' for label, loss in choice['losses'].items())
+    return f'chosen on {choice["on"]}: {losses}'

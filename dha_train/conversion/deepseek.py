@@ -12,7 +12,7 @@ implements the latent cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,14 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from dha_train import families
 from dha_train.calibration import CalibrationError, calibrate, calibration_batches, load_source_model
 from dha_train.config import ConfigError
+from dha_train.conversion.deepseek_choice import (
+    CHOICE_TOKENS,
+    FIXED_BALANCE,
+    Candidate,
+    candidates,
+    choice_sequences,
+    choose,
+)
 from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder, load_source_config
 from dha_train.models.llama_layout import attention_modules, head_dim
@@ -38,6 +46,7 @@ from dha_train.ops.deepseek import (
     strided_pairs,
 )
 from dha_train.ops.mla import BALANCES, pair_key_cross_energy
+from dha_train.ops.sequence_loss import mean_token_losses
 from dha_train.paths import refuse_nonempty, staged_folder
 from dha_train.tokenizer_files import load_tokenizer_folder
 
@@ -71,8 +80,9 @@ class DeepseekSettings:
     rope_pairs: int | None = None
     # Consecutive RoPE slots that share one analysis of the source pairs they span (ops.deepseek, FreqFold).
     freq_fold: int = DEFAULT_FREQ_FOLD
-    # the latent and the RoPE key in whole QUANTIZED_CACHE_BLOCKs, so llama.cpp can quantize the cache; None: so at
-    # budgets up to QUANTIZABLE_BY_DEFAULT_UP_TO where the budget has room for it
+    # the latent and the RoPE key in whole QUANTIZED_CACHE_BLOCKs, so llama.cpp can quantize the cache; None: chosen
+    # on the val split of --data (conversion.deepseek_choice), else so up to QUANTIZABLE_BY_DEFAULT_UP_TO where the
+    # budget has room for it
     quantizable_cache: bool | None = None
     # linear (the latent scaled into the norm's linear range), regression (kv_b regressed on the normed latent) or
     # scalar (the mean RMS); ops.deepseek
@@ -80,7 +90,9 @@ class DeepseekSettings:
     # a pin channel (ops.deepseek.pin_channel) in each layer where it lowers the held-out error; with the regression
     # and scalar fits only (the linear range needs none)
     pin: bool = True
-    balance: str = 'feature_norm'  # chosen on the validation text over energy (docs/methods/mla.md)
+    # energy or feature_norm; None: chosen on the val split of --data with the split (conversion.deepseek_choice)
+    balance: str | None = None
+    choose_tokens: int = CHOICE_TOKENS  # of the val split the split and balance are chosen on; 0: the fixed defaults
     data: str | None = None
     split: str = 'train'
     tokens: int = 16384
@@ -109,10 +121,7 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int, bool]:
     """(pairs of the shared RoPE key, kv_lora_rank, the source's K+V numbers per token and layer, whether the split
     is the quantizable one)."""
     dim, kv_heads = head_dim(config), config.num_key_value_heads
-    source = 2 * kv_heads * dim
-    # cached per token and layer, the fraction read to three decimals (FRACTION_TOLERANCE): 0.3333 of SmolLM2's
-    # 384 is 127.99, and floored to 127 the quantizable split's whole blocks kept 96, a quarter for a third asked
-    numbers = min(source, math.floor((settings.cache_fraction + FRACTION_TOLERANCE) * source + 1e-9))
+    source, numbers = cached_numbers(config, settings)
     if quantizable(settings, numbers, dim):
         return (*quantizable_split(numbers, dim, settings.rope_pairs), source, True)
     default_pairs = max(1, min(round(ROPE_PAIR_SHARE * dim / 2), int(ROPE_BUDGET_CAP * numbers + 1e-9) // 2))
@@ -129,6 +138,27 @@ def budget(config, settings: DeepseekSettings) -> tuple[int, int, int, bool]:
         raise ConfigError(f'convert --format deepseek: latent rank {rank} exceeds the {2 * kv_heads * dim} key and '
                           'value dims it factors')
     return pairs, rank, source, False
+
+
+def cached_numbers(config, settings: DeepseekSettings) -> tuple[int, int]:
+    """(the source's K+V numbers per token and layer, the budget's)."""
+    source = 2 * config.num_key_value_heads * head_dim(config)
+    # the fraction read to three decimals (FRACTION_TOLERANCE): 0.3333 of SmolLM2's 384 is 127.99, and floored to 127
+    # the quantizable split's whole blocks kept 96, a quarter for a third asked
+    return source, min(source, math.floor((settings.cache_fraction + FRACTION_TOLERANCE) * source + 1e-9))
+
+
+def quantizable_fits(config, settings: DeepseekSettings) -> bool:
+    """Whether the budget holds a quantizable split (of the asked key, when --rope-pairs is given)."""
+    dim, numbers = head_dim(config), cached_numbers(config, settings)[1]
+    keys = _block_keys(numbers // QUANTIZED_CACHE_BLOCK * QUANTIZED_CACHE_BLOCK, dim)
+    return bool(keys) and (settings.rope_pairs is None or 2 * settings.rope_pairs in keys)
+
+
+def fixed_candidate(config, settings: DeepseekSettings) -> Candidate:
+    """The split and balance with no choice: as asked, else the fixed defaults."""
+    _, numbers = cached_numbers(config, settings)
+    return Candidate(quantizable(settings, numbers, head_dim(config)), settings.balance or FIXED_BALANCE)
 
 
 def deepseek_config(config, rank: int, pairs: int, stride: int) -> DeepseekV3Config:
@@ -257,18 +287,21 @@ def choose_shared_key(cross_energies: list[torch.Tensor], dim: int, pairs: int,
 
 def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: DeepseekSettings, *,
                         overwrite: bool = False) -> dict:
-    """Convert and save; returns a report (rank, RoPE key, stride, cache numbers against the source and MHA)."""
+    """Convert and save; returns a report (rank, RoPE key, stride, cache numbers against the source and MHA, and the
+    choice of split and balance with every candidate's loss on the val split)."""
     if not 0 < settings.cache_fraction <= 1:
         raise ConfigError(f'convert --format deepseek: --cache-fraction must be in (0, 1], got {settings.cache_fraction}')
     if settings.latent_norm_fit not in LATENT_NORM_FITS:
         raise ConfigError(f"convert --format deepseek: --latent-norm-fit must be one of {', '.join(LATENT_NORM_FITS)}")
-    if settings.balance not in BALANCES:
+    if settings.balance is not None and settings.balance not in BALANCES:
         raise ConfigError(f"convert --format deepseek: --balance must be one of {', '.join(BALANCES)}")
     if not settings.pin and settings.latent_norm_fit == 'linear':
         raise ConfigError('convert --format deepseek: --no-latent-pin applies to --latent-norm-fit regression or '
                           'scalar; the linear fit (the default) has no pin channel')
     if settings.freq_fold < 1:
         raise ConfigError(f'convert --format deepseek: --freq-fold must be at least 1, got {settings.freq_fold}')
+    if settings.choose_tokens < 0:
+        raise ConfigError(f'convert --format deepseek: --choose-tokens must be >= 0, got {settings.choose_tokens}')
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir, who='convert --format deepseek')
     refuse_nonempty(out_dir, overwrite)
@@ -277,7 +310,13 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
     if settings.data is None:
         raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
                           'latent and its norm fit are taken from the source\'s attention inputs')
-    pairs, rank, source_values, quantized = budget(config, settings)
+    options = candidates(settings.quantizable_cache, settings.balance, quantizable_fits(config, settings))
+    for option in options + [fixed_candidate(config, settings)]:  # every budget is checked before any work
+        budget(config, replace(settings, quantizable_cache=option.quantizable_cache))
+    sequences = choice_sequences(settings.data, settings.choose_tokens) if len(options) > 1 else []
+    fixed_because = None if sequences else _why_fixed(settings, len(options))
+    if not sequences:
+        options = [fixed_candidate(config, settings)]
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
     batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
                                   batch_size=settings.batch_size, seed=settings.seed, who='convert --format deepseek')
@@ -294,16 +333,53 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         running = calibration.layer(index, 'input').running
         covariances.append((running.gram / running.count).double().cpu())
         cross_energies.append(pair_key_cross_energy(attention.k_proj.weight.detach(), covariances[-1], kv_heads, dim))
+
+    losses, kept = [], None
+    for option in options:
+        chosen = replace(settings, quantizable_cache=option.quantizable_cache, balance=option.balance)
+        built = _converted_model(model, config, calibration, covariances, cross_energies, chosen)
+        if len(options) > 1:
+            values = mean_token_losses(built[0].eval(), sequences)
+            losses.append((option, sum(values) / len(values)))
+        if kept is None or choose(losses) is option:
+            kept = built  # the best so far; the others are let go
+    del model
+    converted, report = kept
+    best = choose(losses) if losses else options[0]
+    report['choice'] = ({'chosen': best.label, 'on': f'the val split of {settings.data}: {len(sequences)} sequences, '
+                                                     f'{sum(map(len, sequences))} tokens',
+                         'losses': {option.label: loss for option, loss in losses}} if losses else
+                        {'chosen': best.label, 'on': fixed_because})
+    with staged_folder(out_dir, overwrite) as staging:
+        converted.save_pretrained(staging, safe_serialization=True)
+        write_model_card(staging, name=out_dir.name, method='mla_deepseek', source=model_dir, stage=card_stage(
+            'convert --method mla --format deepseek', calibration_tokens=report['calibration_tokens'],
+            latent_norm_fit=settings.latent_norm_fit, split_and_balance=report['choice']))
+        if (model_dir / 'tokenizer_config.json').is_file():
+            load_tokenizer_folder(model_dir, 'convert --format deepseek').save_pretrained(staging)
+    return report
+
+
+def _why_fixed(settings: DeepseekSettings, options: int) -> str:
+    if options == 1:
+        return 'as asked (--quantizable-cache and --balance, or the one split the budget allows with --balance)'
+    if settings.choose_tokens == 0:
+        return 'the fixed defaults (--choose-tokens 0)'
+    return f'the fixed defaults ({settings.data} has no val split to choose on)'
+
+
+def _converted_model(model, config, calibration, covariances: list[torch.Tensor],
+                     cross_energies: list[torch.Tensor], settings: DeepseekSettings) -> tuple[DeepseekV3ForCausalLM, dict]:
+    """The DeepSeek-format model of ``settings``' split and balance from one calibration pass, and its report."""
+    pairs, rank, source_values, quantized = budget(config, settings)
+    dim = head_dim(config)
+    layers = attention_modules(model)
     # the quantizable split keeps its key at stride 1: stride 2 kept more key energy at a third and lost 0.23 nats
     stride, mixes, kept_shares = choose_shared_key(cross_energies, dim, pairs, settings.freq_fold,
                                                    [1] if quantized else None)
     kept = strided_pairs(pairs, stride)
-
     ds_config = deepseek_config(config, rank, pairs, stride)
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if '.self_attn.' not in name:
-            state[name] = tensor
+    state = {name: tensor for name, tensor in model.state_dict().items() if '.self_attn.' not in name}
     pinned, pin_errors = [], []
     for index, attention in enumerate(layers):
         inputs = calibration.layer(index, 'input').sample.double().cpu()
@@ -317,31 +393,20 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         weights = layer_weights(attention, config, mixes[index], rank, covariances[index],
                                 settings.balance, settings.latent_norm_fit, inputs, pin)
         state.update({f'model.layers.{index}.self_attn.{name}': tensor for name, tensor in weights.items()})
-    del model
     converted = DeepseekV3ForCausalLM(ds_config)
     missing, unexpected = converted.load_state_dict(state, strict=False)
     missing = [name for name in missing if not (name == 'lm_head.weight' and config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f'deepseek conversion: weights do not match (missing {missing[:4]}, unexpected '
                            f'{unexpected[:4]})')
-    kept_energy = sum(kept_shares) / len(kept_shares)
     cached = config.num_hidden_layers * (rank + 2 * pairs)
     report = {'kv_lora_rank': rank, 'qk_rope_head_dim': 2 * pairs, 'rope_stride': stride, 'rope_pairs': kept,
-              'quantizable_cache': quantized,
-              'freq_fold': settings.freq_fold,
+              'quantizable_cache': quantized, 'freq_fold': settings.freq_fold,
               'rope_theta': ds_config.rope_theta, 'latent_norm_fit': settings.latent_norm_fit, 'pinned_layers': pinned,
-              'layer_pin_errors': pin_errors,
-              'latent_norm_eps': LATENT_NORM_EPS, 'balance': settings.balance,
-              'rope_energy_kept': kept_energy, 'cache_values_per_token': cached,
+              'layer_pin_errors': pin_errors, 'latent_norm_eps': LATENT_NORM_EPS, 'balance': settings.balance,
+              'rope_energy_kept': sum(kept_shares) / len(kept_shares), 'cache_values_per_token': cached,
               'source_values_per_token': config.num_hidden_layers * source_values,
               'fraction_of_source': cached / (config.num_hidden_layers * source_values),
               'fraction_of_mha': cached / (config.num_hidden_layers * 2 * config.num_attention_heads * dim),
               'calibration_tokens': calibration.tokens}
-    with staged_folder(out_dir, overwrite) as staging:
-        converted.save_pretrained(staging, safe_serialization=True)
-        write_model_card(staging, name=out_dir.name, method='mla_deepseek', source=model_dir, stage=card_stage(
-            'convert --method mla --format deepseek', calibration_tokens=report['calibration_tokens'],
-            latent_norm_fit=settings.latent_norm_fit))
-        if (model_dir / 'tokenizer_config.json').is_file():
-            load_tokenizer_folder(model_dir, 'convert --format deepseek').save_pretrained(staging)
-    return report
+    return converted, report

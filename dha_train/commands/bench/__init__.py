@@ -250,7 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       '(default: the Rust book rustup installs, when present)')
     zero.add_argument('--validation', default=None, help='the validation text\'s folder (default: vim\'s help files)')
     zero.add_argument('--fresh', default=None, help='a folder or glob of text never designed or tuned on, held out '
-                      '(default: Perl\'s POD documentation, /usr/share/perl/5.*/**/*.pod)')
+                      '(default: Perl\'s POD and modules, /usr/share/perl/5.*/**/*.p[om]d)')
+    zero.add_argument('--headers', default=None, help='the validation text of code, a folder or glob (default: C '
+                      'headers, /usr/include/**/*.h)')
+    zero.add_argument('--markdown', default=None, help='the validation text of Markdown, a folder or glob (default: '
+                      '/usr/lib/node_modules/**/*.md)')
     zero.add_argument('--transmla-rope-dims', dest='transmla_rope_dims', type=int, nargs='+',
                       default=list(zero_defaults.transmla_rope_dims), help='TransMLA\'s RoPE key widths searched')
     zero.add_argument('--transmla-folds', dest='transmla_folds', type=int, nargs='+',

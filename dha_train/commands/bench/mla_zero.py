@@ -51,7 +51,9 @@ import torch
 from dha_train.bench_runner import StageRunner, model_config, prepare_data, say, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
 from dha_train.config import ConfigError
-from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek
+from dha_train.conversion import deepseek_choice
+from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek, quantizable_fits
+from dha_train.conversion.deepseek_choice import Candidate
 from dha_train.conversion.mean_pool import convert_checkpoint
 from dha_train.conversion.mla import MlaSettings, convert_to_mla
 from dha_train.conversion.refit import RefitSettings, refit_folder
@@ -65,18 +67,24 @@ from dha_train.evaluation import (
     sequence_losses,
 )
 from dha_train.harness import headline
-from dha_train.heldout_texts import BOOK_GLOB, VALIDATION_GLOB, text_files
+from dha_train.heldout_texts import BOOK_GLOB, HEADERS_GLOB, MARKDOWN_GLOB, VALIDATION_GLOB, text_files
 from dha_train.model_folders import folder_digest
 
-ROWS = ('deepseek', 'mla', 'mean_pool_refit', 'transmla')
+ROWS = ('deepseek', 'deepseek_candidates', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
           'transmla': 'TransMLA'}
+# The DeepSeek layout's split and balance before issue 47 (the unrounded split, the energy balance): the reference
+# every candidate is set beside, text by text.
+FORMER_DEFAULT = Candidate(quantizable_cache=False, balance='energy')
 FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
 # Named on 2026-11-28, before any row was scored on it: Perl's documentation, prose about a language no conversion
 # calibrates on (the calibration text is Python), in a markup (POD) none of the other texts uses.
-DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.pod'
+# Its 54 .pod files are too few documents for an interval (64 at least), so the modules' own POD and code (.pm) join
+# them (2026-12-03): a text of that name before then was the .pod files alone.
+DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.p[om]d'
 TRANSMLA_DEFAULTS = (64, 4)  # (qk_mqa_dim, freqfold): its one 64-dim shared RoPE key, the fold its scripts pass
-TEXTS = ('validation', 'heldout_doc', 'heldout_book', 'heldout_fresh')
+TEXTS = ('validation', 'validation_headers', 'validation_markdown', 'heldout_doc', 'heldout_book', 'heldout_fresh')
+VALIDATION_TEXTS = ('validation', 'validation_headers', 'validation_markdown')  # what fixed defaults are chosen on
 CALIBRATION_BATCH = 8  # rows per calibration batch, for every row (TransMLA's loader included)
 
 
@@ -89,16 +97,18 @@ class MlaZeroSettings:
     transmla_python: str = sys.executable
     book: str | None = None  # a folder or a glob of HTML / text files (default: the Rust book's chapters, if present)
     validation: str | None = None  # a folder or a glob (default: vim's help files)
-    fresh: str | None = None  # a folder or a glob (default: Perl's POD documentation)
+    fresh: str | None = None  # a folder or a glob (default: Perl's POD and modules)
+    headers: str | None = None  # a folder or a glob: the validation text of code (default: /usr/include's C headers)
+    markdown: str | None = None  # the validation text of Markdown (default: the Node.js modules' Markdown files)
     transmla_rope_dims: Sequence[int] = (16, 32, 64)  # TransMLA's RoPE key widths searched
     transmla_folds: Sequence[int] = (2, 4, 8)  # and its FreqFolds
     tokens: int = 16384  # calibration tokens of every row
-    text_tokens: int = 16384  # tokens scored on the validation text, the book and the fresh text
+    text_tokens: int = 24576  # tokens scored on each text but /usr/share/doc (bench real's): 96 sequences of 256
     texts: Sequence[str] = TEXTS  # the texts scored (TransMLA's search needs validation)
     # each document's first characters only (about 1,000 tokens), so a text's sequences come from a dozen documents
     # or more, not the three or four longest (None: whole documents, as the 2026-11-27 rows were made)
     max_document_chars: int | None = 4096
-    text_seq_len: int = 512
+    text_seq_len: int = 256  # 96 sequences from 64 documents or more (each capped by tokenize_documents)
     limit: int = 200
     tasks: Sequence[str] = ('piqa', 'arc_easy')
     source: str = 'smollm2-135m'
@@ -324,6 +334,10 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     for name, given, default, what in (
             ('validation', settings.validation, VALIDATION_GLOB,
              'the text the DeepSeek defaults and TransMLA\'s setting were chosen on'),
+            ('validation_headers', settings.headers, HEADERS_GLOB,
+             'a validation text of code: the fixed defaults are chosen on it'),
+            ('validation_markdown', settings.markdown, MARKDOWN_GLOB,
+             'a validation text of Markdown documentation: the fixed defaults are chosen on it'),
             ('heldout_book', settings.book, BOOK_GLOB,
              'a book, held out from training and choosing; read during the latent-norm redesign'),
             ('heldout_fresh', settings.fresh, DEFAULT_FRESH_GLOB,
@@ -366,7 +380,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
             def build(out: Path) -> dict:
                 report = convert_to_deepseek(source, out / 'hf', convert_settings, overwrite=True)
                 return {'hf_folder': str(out / 'hf'), 'setting': {key: report[key] for key in (
-                    'kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'latent_norm_fit', 'balance')}}
+                    'kv_lora_rank', 'qk_rope_head_dim', 'freq_fold', 'latent_norm_fit', 'balance',
+                    'quantizable_cache', 'choice')}}
             return build, asdict(convert_settings)
         if row == 'mla':
             convert_settings = MlaSettings(cache_fraction=fraction, data=str(train_data), tokens=settings.tokens,
@@ -484,6 +499,32 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                          **({'chosen_on': 'validation'} if entry is best else {}), **scored})
         return rows
 
+    def deepseek_candidate_rows(budget: str) -> list[dict]:
+        """Every split and balance `convert` chooses among, each asked for by name (no choice), scored on every text:
+        what the fixed defaults are chosen on (``fixed_default``)."""
+        fraction = FRACTIONS[budget]
+        probe = DeepseekSettings(cache_fraction=fraction)
+        entries = []
+        for option in deepseek_choice.candidates(None, None, quantizable_fits(config, probe)):
+            say(f'mla-zero: DeepSeek layout at {budget}, {option.label}')
+            convert_settings = DeepseekSettings(
+                cache_fraction=fraction, quantizable_cache=option.quantizable_cache, balance=option.balance,
+                choose_tokens=0, data=str(train_data), tokens=settings.tokens, batch_size=CALIBRATION_BATCH,
+                seed=settings.seed, device=real.device)
+
+            def build(out: Path, convert_settings=convert_settings) -> dict:
+                report = convert_to_deepseek(source, out / 'hf', convert_settings, overwrite=True)
+                return {'hf_folder': str(out / 'hf'), 'setting': {key: report[key] for key in (
+                    'kv_lora_rank', 'qk_rope_head_dim', 'rope_stride', 'quantizable_cache', 'balance')}}
+            converted = runner.stage(runs, f'deepseek-{budget}-{slug(option.label)}', build,
+                                     **asdict(convert_settings))
+            scored = score_texts(f'DeepSeek {budget} {option.label}', converted['hf_folder'])
+            entries.append({'budget': budget, 'label': option.label, **converted['setting'],
+                            'former_default': option == FORMER_DEFAULT, 'convert_s': converted['seconds'],
+                            'loss': scored['loss'], 'loss_ci95': scored['loss_ci95'],
+                            'sequence_losses': scored['sequence_losses']})
+        return entries
+
     results = {'source': {'folder': str(source), 'sha256': digest, 'cached_numbers_per_token_per_layer': numbers},
                'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
                                             'texts': list(settings.texts),
@@ -505,6 +546,13 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                 results['rows'] += transmla_rows(budget)
                 save()
                 continue
+            if row == 'deepseek_candidates':
+                entries = deepseek_candidate_rows(budget)
+                results.setdefault('deepseek_candidates', []).extend(
+                    {key: value for key, value in entry.items() if key != 'sequence_losses'} for entry in entries)
+                results.setdefault('fixed_default', []).append(fixed_default(entries, texts, seed=settings.seed))
+                save()
+                continue
             say(f'mla-zero: {LABELS[row]} at {budget}')
             started = time.perf_counter()
             build, reads = conversion(row, budget)
@@ -522,6 +570,28 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
     print_table(results)
     print(f'  results.json in {runs}')
     return results
+
+
+def fixed_default(entries: Sequence[dict], texts: dict[str, Path], *, seed: int) -> dict:
+    """Of one budget's candidates, the one of the lowest mean loss over the validation texts scored, and each
+    candidate's difference from the former default on every text, paired by sequence with its interval over
+    documents: the spread a default chosen on several texts carries."""
+    validation = [name for name in VALIDATION_TEXTS if all(name in entry['loss'] for entry in entries)]
+    if not validation:
+        raise ConfigError('bench mla-zero: the fixed defaults are chosen on the validation texts; --texts names none')
+    means = {entry['label']: sum(entry['loss'][name] for name in validation) / len(validation) for entry in entries}
+    chosen = min(means, key=means.get)
+    former = next((entry for entry in entries if entry['former_default']), None)
+    versus = []
+    for entry in entries if former is not None else ():
+        for text, values in entry['sequence_losses'].items():
+            if entry is former or text not in former['sequence_losses']:
+                continue
+            difference, low, high = paired_loss_difference(former['sequence_losses'][text], values, texts[text],
+                                                           seed=seed)
+            versus.append({'label': entry['label'], 'text': text, 'difference': difference, 'ci95': [low, high]})
+    return {'budget': entries[0]['budget'], 'chosen_on': validation, 'mean_validation_loss': means,
+            'chosen': chosen, 'against_former_default': versus}
 
 
 def search_label(budget: str, rope_dim: int, freq_fold: int) -> str:
@@ -543,8 +613,9 @@ def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
     return torch.as_tensor(np.stack(split_sequences(heldout, domain, 'val')[:rows]), dtype=torch.long)
 
 
-TEXT_COLUMNS = {'validation': 'validation (vim)', 'heldout_doc': 'held-out /usr/share/doc',
-                'heldout_book': 'held-out book', 'heldout_fresh': 'fresh held-out (Perl POD)'}
+TEXT_COLUMNS = {'validation': 'validation (vim)', 'validation_headers': 'validation (C headers)',
+                'validation_markdown': 'validation (Markdown)', 'heldout_doc': 'held-out /usr/share/doc',
+                'heldout_book': 'held-out book', 'heldout_fresh': 'fresh held-out (Perl)'}
 
 
 def _loss_cell(row: dict, text: str) -> str:
@@ -602,8 +673,42 @@ def paired_table(results: dict) -> str:
     return '\n'.join(lines)
 
 
+def candidates_table(results: dict) -> str:
+    """The DeepSeek layout's candidate splits and balances on every text, the former default marked, and which one
+    the validation texts chose as the fixed default."""
+    entries = results.get('deepseek_candidates', [])
+    texts = _texts(entries)
+    chosen = {entry['budget']: entry['chosen'] for entry in results.get('fixed_default', [])}
+    lines = ['| budget | split, balance | latent + RoPE key (stride) | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts)
+             + ' | |', '|' + ' --- |' * (4 + len(texts))]
+    for entry in entries:
+        marks = [mark for mark, holds in (('the former default', entry['former_default']),
+                                          ('chosen on validation', chosen.get(entry['budget']) == entry['label']))
+                 if holds]
+        cells = [entry['budget'], entry['label'],
+                 f"{entry['kv_lora_rank']} + {entry['qk_rope_head_dim']} ({entry['rope_stride']})"]
+        cells += [_loss_cell(entry, t) for t in texts] + [', '.join(marks)]
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def versus_former_table(results: dict) -> str:
+    """Each candidate minus the former default, per text: the mean loss difference per sequence (below 0 better)
+    and its 95% interval over documents."""
+    lines = ['| budget | split, balance | text | minus the former default | 95% interval |', '|' + ' --- |' * 5]
+    for summary in results.get('fixed_default', []):
+        for entry in summary['against_former_default']:
+            low, high = entry['ci95']
+            interval = '-' if low is None else f'[{low:+.3f}, {high:+.3f}]'
+            lines.append(f"| {summary['budget']} | {entry['label']} | {TEXT_COLUMNS[entry['text']]} | "
+                         f"{entry['difference']:+.3f} | {interval} |")
+    return '\n'.join(lines)
+
+
 def print_table(results: dict) -> None:
     print(markdown_table(results))
+    if results.get('deepseek_candidates'):
+        print('\n' + candidates_table(results) + '\n\n' + versus_former_table(results))
     if results.get('transmla_search'):
         print('\n' + search_table(results))
     if results.get('paired'):
