@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from dha_train.bench_settings import RealSettings
+from dha_train.bench_settings import RealSettings, transfer_batches
 from dha_train.bench_support import bench_source
 from dha_train.config import ConfigError
 from dha_train.conversion.deepseek_choice import CHOICE_TOKENS
@@ -268,29 +268,51 @@ class StageRunner:
             return
         s = self.settings
         # at least one batch each, and together the CT row's batches (when it has two or more)
-        transfer_batches = min(max(1, round(self.batches * s.transfer_fraction)), max(1, self.batches - 1))
-        kl_batches = max(1, self.batches - transfer_batches)
-        start = str(converted)
+        transfers = transfer_batches(s, self.batches)
+        kl_batches = max(1, self.batches - transfers)
+        converted_s, start = seconds, str(converted)
         if refit is not False:
             refitted = self.refit(name, converted) if refit is None else self.stage(
                 self.runs, f'{name}-refit', refit[0], model=converted, **refit[1])
             seconds += refitted['seconds']
             start = refitted['hf_folder']
-        if self._same_healing(label, method, budget, start, ['+refit'] * (refit is not False) + ['+transfer', '+KL'],
+        kl_rows = [f'+KL {tokens_label(point)}' for point in s.heal_points] or ['+KL']
+        if self._same_healing(label, method, budget, start, ['+refit'] * (refit is not False) + ['+transfer', *kl_rows],
                               **extra):
             return
         if refit is not False:
             self.evaluate(f'{label} +refit', method, budget, start, 0, seconds, intermediate=True, stage='refit',
                           stage_s=refitted['seconds'], **extra)
-        transferred = self.transfer(name, start, transfer_batches)
+        transferred = self.transfer(name, start, transfers)
         seconds += transferred['seconds']
         self.evaluate(f'{label} +transfer', method, budget, transferred['hf_folder'], transferred['tokens'], seconds,
                       intermediate=True, stage='transfer', lr=s.transfer_lr, stage_s=transferred['seconds'], **extra)
+        if s.heal_points:
+            self._recovery_points(name, label, method, budget, transferred, seconds, seconds - converted_s, **extra)
+            return
         distilled = self.distil(name, transferred['hf_folder'], kl_batches)
         seconds += distilled['seconds']
         self.evaluate(f'{label} +KL', method, budget, distilled['hf_folder'],
                       transferred['tokens'] + distilled['tokens'], seconds, stage='kl', lr=s.kl_lr,
                       stage_s=distilled['seconds'], **extra)
+
+    def _recovery_points(self, name: str, label: str, method: str, budget: str, transferred: dict, seconds: float,
+                         healing_s: float, **extra) -> None:
+        """KL from the transfer to each of ``heal_points`` healing tokens, each point its own stage from the previous
+        point's export, on batches of its own seed (no point replays another's), with the recipe's warm-up and
+        cosine over the point's own batches; each point a ranking row with its healing seconds so far."""
+        s = self.settings
+        start, tokens = transferred['hf_folder'], transferred['tokens']
+        for index, point in enumerate(s.heal_points):
+            batches = (point - tokens) // (s.batch * s.seq_len)
+            distilled = self.distil(name, start, batches, seed=s.seed + 102 + 1000 * index, stage=f'kl-to-{point}')
+            seconds += distilled['seconds']
+            healing_s += distilled['seconds']
+            tokens += distilled['tokens']
+            start = distilled['hf_folder']
+            self.evaluate(f'{label} +KL {tokens_label(point)}', method, budget, start, tokens, seconds, stage='kl',
+                          lr=s.kl_lr, stage_s=distilled['seconds'], healing_tokens=tokens,
+                          healing_s=round(healing_s, 1), **extra)
 
     def _same_healing(self, label: str, method: str, budget: str | None, start: str, stages: list[str],
                       **extra) -> bool:
@@ -335,11 +357,16 @@ class StageRunner:
         return self.train(f'{name}-transfer', 'real/transfer.yaml', batches, s.seed + 101 if seed is None else seed,
                           model_path=model, source_path=self.source, lr=s.transfer_lr)
 
-    def distil(self, name: str, model: str | Path, batches: int, seed: int | None = None) -> dict:
-        """The stage ``<name>-kl``: logit (KL) distillation of ``model`` from the source."""
+    def distil(self, name: str, model: str | Path, batches: int, seed: int | None = None, stage: str = 'kl') -> dict:
+        """The stage ``<name>-<stage>``: logit (KL) distillation of ``model`` from the source."""
         s = self.settings
-        return self.train(f'{name}-kl', 'real/kl.yaml', batches, s.seed + 102 if seed is None else seed,
+        return self.train(f'{name}-{stage}', 'real/kl.yaml', batches, s.seed + 102 if seed is None else seed,
                           model_path=model, source_path=self.source, lr=s.kl_lr)
+
+
+def tokens_label(tokens: int) -> str:
+    """A recovery point's healing tokens as its row label gives them: 32K, 1024K, or the count where not whole K."""
+    return f'{tokens // 1024}K' if tokens % 1024 == 0 else str(tokens)
 
 
 def model_config(folder: Path):

@@ -12,7 +12,7 @@ from dha_train.config import ConfigError
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
 METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable', 'mla', 'mla_deepseek', 'moh')
-BUDGETS = ('kv1', 'kv2', 'half', 'third')
+BUDGETS = ('kv1', 'kv2', 'half', 'third', 'eighth')
 # the methods that keep whole K/V heads (pool, group or fuse them): a budget that is not a whole number of heads per
 # layer, at least one, is out of their reach
 HEAD_POOLING_METHODS = ('mean_pool', 'aligned_gqa', 'asym_gqa', 'dha', 'dha_servable')
@@ -33,7 +33,7 @@ def budget_fraction(budget: str, source_kv_heads: int) -> float:
     """The budget's K+V cache as a fraction of the source's. ``kv1`` / ``kv2``: one or two K/V heads per layer (a third
     and two thirds of SmolLM2's three); ``half`` / ``third``: that fraction of any source's cache (a source with one
     K/V head, such as Gemma 3 270M, goes below it only through MLA's latent)."""
-    fixed = {'half': 1 / 2, 'third': 1 / 3}
+    fixed = {'half': 1 / 2, 'third': 1 / 3, 'eighth': 1 / 8}
     return fixed[budget] if budget in fixed else {'kv1': 1, 'kv2': 2}[budget] / source_kv_heads
 
 
@@ -87,6 +87,10 @@ class RealSettings:
     transfer_fraction: float = 0.5  # of the training tokens, for attention transfer; KL gets the rest
     transfer_lr: float = 3.0e-4  # attention transfer's peak lr (only the attention trains)
     kl_lr: float = 1.0e-4  # the KL stage's peak lr
+    # The recovery curve: healing tokens (attention transfer + KL) at which each chain is scored, a ranking row each.
+    # KL goes from each point to the next as its own stage, from the previous point's export on fresh batches, so a
+    # long run stopped between points goes on from the last one done. Empty: one KL stage to the method's tokens.
+    heal_points: Sequence[int] = ()
 
 
 # Defaults per device. CPU: 400 sampled documents a task for the rows that rank methods, so a 6-task mean accuracy has
@@ -103,6 +107,24 @@ _DEFAULTS = {
                  calib_tokens=16384, refit_tokens=65536, search_batches=40, asym_iterations=50, eval_batch_size=64,
                  corpus_bytes=None),
 }
+
+
+def transfer_batches(settings: RealSettings, batches: int) -> int:
+    """Attention transfer's batches of a healing chain of ``batches`` (at least one, and one left for KL)."""
+    return min(max(1, round(batches * settings.transfer_fraction)), max(1, batches - 1))
+
+
+def check_heal_points(settings: RealSettings) -> None:
+    """--heal-points: increasing, whole batches, each past the transfer's tokens (every point trains KL)."""
+    points = list(settings.heal_points)
+    if not points:
+        return
+    batch_tokens = settings.batch * settings.seq_len
+    batches = max(settings.tokens // batch_tokens, 1)
+    transfer = transfer_batches(settings, batches) * batch_tokens
+    if (any(point % batch_tokens for point in points) or points != sorted(set(points)) or points[0] <= transfer):
+        raise ConfigError(f'bench real: --heal-points must increase, each a whole number of {batch_tokens}-token '
+                          f'batches past the attention transfer\'s {transfer} tokens; got {points}')
 
 
 def resolve_settings(settings: RealSettings) -> RealSettings:
@@ -129,6 +151,7 @@ def resolve_settings(settings: RealSettings) -> RealSettings:
                  'eval_batch_size', 'asym_iterations'):
         if getattr(resolved, name) <= 0:
             raise ConfigError(f'bench real: {name} must be > 0, got {getattr(resolved, name)}')
+    check_heal_points(resolved)
     if resolved.intermediate_limit > resolved.limit:
         raise ConfigError(f'bench real: intermediate_limit ({resolved.intermediate_limit}) must not exceed limit '
                           f'({resolved.limit}): the intermediate rows are scored on part of the ranking rows\' '

@@ -186,6 +186,15 @@ def split_units(domain: dict, say=print) -> dict:
     return units
 
 
+def folder_units(root: Path) -> dict:
+    """``split_units`` of a tokenized text folder's val split (the domain of fewest documents), read back from the
+    manifest `data prep` wrote: what a results file records of a text scored on."""
+    manifest = json.loads((Path(root) / 'manifest.json').read_text())
+    units = [split_units(domain, say=lambda message: None) for domain in manifest['domains'].values()
+             if domain.get('val', {}).get('sample_documents')]
+    return min(units, key=lambda entry: entry['documents']) if units else {'sequences': 0, 'documents': 0}
+
+
 def tokenize_documents(documents: list[tuple[str, dict]], out: Path, tokenizer: Path, name: str, *, seq_len: int,
                        val_tokens: int, say=print) -> dict:
     """``documents`` as one JSONL file under the held-out domain label, each cut to ``document_cap_chars`` (so the split's sequences come from many documents: a few long ones would fill it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -138,10 +139,11 @@ def plot_curves(curves: dict, out: str | Path, title: str = '', xlabel: str = 'b
 
 
 def plot_panels(panels: dict, out: str | Path, title: str = '', xlabel: str = '', ylabel: str = '',
-                reference: tuple[str, float] | None = None) -> Path:
+                reference: tuple[str, float] | None = None, references: Sequence[tuple[str, float]] = ()) -> Path:
     """Side-by-side axes sharing y, one per panel {panel: {curve: {'points': [(x, y, half_width), ...],
     'colour_key': str, 'dashed': bool}}}: each point with its 95% interval as an error bar, a curve's colour fixed by
-    its ``colour_key`` across panels (so one method reads alike in every panel), and one reference line in each."""
+    its ``colour_key`` across panels (so one method reads alike in every panel), and the same reference lines in each
+    (``reference``, and ``references``, each in its own line style)."""
     plt = _pyplot()
     keys = sorted({curve['colour_key'] for curves in panels.values() for curve in curves.values()})
     palette = plt.get_cmap('tab10' if len(keys) <= 10 else 'tab20')
@@ -156,8 +158,9 @@ def plot_panels(panels: dict, out: str | Path, title: str = '', xlabel: str = ''
             xs, ys, half = zip(*points)
             ax.errorbar(xs, ys, yerr=[h or 0.0 for h in half], marker='o', markersize=3, capsize=2, linewidth=1.5,
                         linestyle='--' if curve['dashed'] else '-', color=colour[curve['colour_key']], label=name)
-        if reference is not None:
-            ax.axhline(reference[1], linestyle=':', linewidth=1, color='0.3', label=reference[0])
+        lines = ([reference] if reference is not None else []) + list(references)
+        for (name, value), style in zip(lines, [':', '--', '-.', (0, (1, 3)), (0, (5, 2, 1, 2)), (0, (3, 1))] * 2):
+            ax.axhline(value, linestyle=style, linewidth=1, color='0.3', label=name)
         ax.set_title(panel)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

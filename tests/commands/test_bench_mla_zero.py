@@ -261,7 +261,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
     raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=120, seed=4)
     task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=1, max_words=60)
-    for name in ('validation', 'book', 'fresh'):
+    for name in ('validation', 'headers', 'markdown', 'book', 'fresh'):
         (tmp_path / name).mkdir()
         for index in range(12):  # documents of 2,000+ characters, enough that the split's cuts span several
             (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 120)
@@ -269,7 +269,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     settings = MlaZeroSettings(
         out=str(tmp_path / 'bench'), budgets=('kv1',), rows=('deepseek', 'mean_pool_refit', 'transmla'),
         validation=str(tmp_path / 'validation'), book=str(tmp_path / 'book'), fresh=str(tmp_path / 'fresh'),
-        transmla_rope_dims=(4, 8), transmla_folds=(2, 4), tokens=2 * SEQ_LEN,
+        headers=str(tmp_path / 'headers'), markdown=str(tmp_path / 'markdown'), transmla_rope_dims=(4, 8), transmla_folds=(2, 4), tokens=2 * SEQ_LEN,
         text_tokens=2 * SEQ_LEN, text_seq_len=SEQ_LEN, limit=4, tasks=(LOCAL_TASK,), include=(str(task),),
         source=str(tmp_path / 'gqa'), device='cpu', train_data=str(data_root), seq_len=SEQ_LEN,
         val_tokens=2 * SEQ_LEN, isolate_stages=False)
@@ -293,8 +293,10 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     assert {text: rows[chosen]['loss'][text] for text in search[0]['loss']} == search[0]['loss']
     # the project's rows against TransMLA's chosen setting, on every text, each difference from the sequences
     paired = {(e['row'], e['text']): e for e in results['paired']}
+    every_text = {'validation', 'validation_headers', 'validation_markdown', 'heldout_doc', 'heldout_book',
+                  'heldout_fresh'}
     assert set(paired) == {(row, text) for row in ('DeepSeek layout kv1', 'mean-pool + refit kv1')
-                           for text in ('validation', 'heldout_doc', 'heldout_book', 'heldout_fresh')}
+                           for text in every_text}
     entry = paired[('DeepSeek layout kv1', 'heldout_fresh')]
     assert math.isclose(entry['difference'], rows['DeepSeek layout kv1']['loss']['heldout_fresh']
                         - rows[chosen]['loss']['heldout_fresh'], abs_tol=1e-9)
@@ -305,7 +307,7 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     deepseek = rows['DeepSeek layout kv1']
     assert deepseek['kv_lora_rank'] + deepseek['qk_rope_head_dim'] == numbers // 3
     for row in results['rows']:
-        assert set(row['loss']) == {'heldout_doc', 'validation', 'heldout_book', 'heldout_fresh'}, row['label']
+        assert set(row['loss']) == every_text, row['label']
         assert all(math.isfinite(value) for value in row['loss'].values())
         assert all(row['loss_ci95'][text] > 0 for text in row['loss'])
         assert len(row['layer_errors']) == 2 and row['accuracy'][LOCAL_TASK] is not None
@@ -329,3 +331,38 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     for row, full in zip(narrow['rows'], results['rows'], strict=True):
         assert row['loss'] == {text: full['loss'][text] for text in ('validation', 'heldout_fresh')}
         assert row['accuracy'] == {} and row['layer_errors'] == full['layer_errors']
+
+
+@pytest.mark.slow
+def test_the_fixed_default_is_the_candidate_lowest_over_the_validation_texts(tmp_path, tokenizer_dir, data_root):
+    # the tiny GQA shape (3 K/V heads of 8) at a third holds no whole 32-value block: the candidates are the
+    # unrounded split's two balances, each asked for by name, and the former default (energy) is one of them
+    save_tiny_smollm2_shape(tmp_path / 'gqa', tokenizer_dir)
+    for name in ('validation', 'headers', 'markdown', 'fresh'):
+        (tmp_path / name).mkdir()
+        for index in range(12):
+            (tmp_path / name / f'{index}.txt').write_text(f'{name} text number {index}. ' * 120)
+    settings = MlaZeroSettings(
+        out=str(tmp_path / 'bench'), budgets=('kv1',), rows=('deepseek_candidates',),
+        validation=str(tmp_path / 'validation'), headers=str(tmp_path / 'headers'),
+        markdown=str(tmp_path / 'markdown'), fresh=str(tmp_path / 'fresh'), tokens=2 * SEQ_LEN,
+        text_tokens=2 * SEQ_LEN, text_seq_len=SEQ_LEN, tasks=(), source=str(tmp_path / 'gqa'), device='cpu',
+        train_data=str(data_root), seq_len=SEQ_LEN, val_tokens=2 * SEQ_LEN, isolate_stages=False,
+        texts=('validation', 'validation_headers', 'validation_markdown', 'heldout_fresh'))
+    results = run_mla_zero_bench(settings)
+    entries = {entry['label']: entry for entry in results['deepseek_candidates']}
+    assert set(entries) == {'unrounded split, feature_norm balance', 'unrounded split, energy balance'}
+    assert entries['unrounded split, energy balance']['former_default']
+    (summary,) = results['fixed_default']
+    validation = ('validation', 'validation_headers', 'validation_markdown')
+    assert summary['chosen_on'] == list(validation)
+    means = {label: sum(entry['loss'][t] for t in validation) / 3 for label, entry in entries.items()}
+    assert summary['mean_validation_loss'] == pytest.approx(means) and summary['chosen'] == min(means, key=means.get)
+    # the other candidate against the former default on every text, the difference of the two rows' losses
+    versus = {entry['text']: entry for entry in summary['against_former_default']}
+    assert set(versus) == set(validation) | {'heldout_fresh'}
+    other = entries['unrounded split, feature_norm balance']
+    former = entries['unrounded split, energy balance']
+    for text, entry in versus.items():
+        assert entry['label'] == other['label']
+        assert entry['difference'] == pytest.approx(other['loss'][text] - former['loss'][text], abs=1e-9)

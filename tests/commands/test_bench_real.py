@@ -429,3 +429,60 @@ def test_a_one_kv_head_source_takes_fractional_budgets_with_latent_rows_only(tmp
     # --no-ct: the same stages, without the method's own-training row
     without_ct = run_real_bench(replace(settings, ct=False))
     assert [row['label'] for row in without_ct['rows'] if row['method'] == 'mla'] == ['MLA half @0']
+
+
+def test_heal_points_must_increase_in_whole_batches_past_the_transfer():
+    from dha_train.bench_settings import resolve_settings
+    from dha_train.config import ConfigError
+
+    base = RealSettings(device='cpu', tokens=4 * 2 * SEQ_LEN, seq_len=SEQ_LEN, batch=2)  # transfer: 2 batches
+    assert resolve_settings(replace(base, heal_points=(3 * 2 * SEQ_LEN, 6 * 2 * SEQ_LEN))).heal_points
+    for points in ((2 * 2 * SEQ_LEN, 6 * 2 * SEQ_LEN), (6 * 2 * SEQ_LEN, 3 * 2 * SEQ_LEN), (3 * 2 * SEQ_LEN + 1,)):
+        with pytest.raises(ConfigError, match='--heal-points'):
+            resolve_settings(replace(base, heal_points=points))
+
+
+@pytest.mark.slow
+def test_the_recovery_curve_scores_each_point_and_a_stopped_run_goes_on_from_the_last_point(tmp_path, tokenizer_dir,
+                                                                                          data_root):
+    """--heal-points: KL from the transfer to each point its own stage, from the previous point's export, on fresh
+    batches; each point a ranking row at its healing tokens with its healing seconds; the summary and the plot. A
+    run whose last point was lost runs that point's stage and evaluation alone."""
+    source = _tiny_gqa(tmp_path / 'gqa', tokenizer_dir)
+    raw = write_redpajama_jsonl(tmp_path / 'raw', docs_per_domain=200, seed=3)
+    task = build_local_task(raw, tmp_path / 'task', examples=4, fewshot_examples=2, max_words=120)
+    bench = tmp_path / 'bench'
+    batch_tokens = 2 * SEQ_LEN
+    points = (3 * batch_tokens, 5 * batch_tokens)
+    settings = RealSettings(
+        out=str(bench), device='cpu', source=str(source), train_data=str(data_root), tokens=4 * batch_tokens,
+        seq_len=SEQ_LEN, batch=2, limit=4, val_tokens=4 * SEQ_LEN, calib_tokens=128, refit_tokens=512,
+        eval_batch_size=4, tasks=[LOCAL_TASK], include=[str(task)], methods=('mean_pool',), budgets=('kv1',),
+        ct=False, isolate_stages=False, heal_points=points)
+    results = run_real_bench(settings)
+    rows = {row['label']: row for row in results['rows']}
+    first, second = (rows[f'mean-pool kv1 +KL {point}'] for point in points)
+    assert 'mean-pool kv1 +KL' not in rows
+    assert (first['tokens'], second['tokens']) == points
+    assert first['evaluation'] == second['evaluation'] == 'ranking'
+    assert 0 < first['healing_s'] < second['healing_s'] < second['wall_s']  # healing alone, not the conversion
+    stages = dict(_finished_stages(bench))
+    to_first, to_second = (stages[f'meanpool-kv1-kl-to-{point}'] for point in points)
+    assert len(to_first['batch_digests']) == 1 and len(to_second['batch_digests']) == 2
+    transfer = stages['meanpool-kv1-transfer']['batch_digests']
+    assert not set(to_first['batch_digests']) & set(to_second['batch_digests']) and not set(transfer) & set(
+        to_first['batch_digests'] + to_second['batch_digests'])
+    (chain,) = results['recovery']
+    assert chain['chain'] == 'mean_pool kv1' and [p['healing_tokens'] for p in chain['points']] == [0, *points]
+    teacher = rows['teacher']['mean_accuracy']
+    assert chain['points'][-1]['share_of_teacher'] == pytest.approx(second['mean_accuracy'] / teacher)
+    assert set(chain['first_hours_at']) == {'90%', '95%'}
+    assert (bench / 'recovery.png').is_file()
+    # a run stopped before its last point: that point's stage and its evaluation run again, nothing else
+    import shutil
+
+    lost = {f'meanpool-kv1-kl-to-{points[1]}', f'eval:mean-pool-kv1-kl-{points[1]}'}
+    for path in [path.parent for path in bench.rglob('DONE.json') if _stage_name(path.parent, bench) in lost]:
+        shutil.rmtree(path)
+    assert _stages_run(bench, settings) == lost
+

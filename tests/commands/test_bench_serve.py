@@ -27,7 +27,7 @@ LAYERS, HEAD_DIM, CONTEXT = 3, 32, 2048  # 768 bytes a token: 1.5 MiB, which lla
 @pytest.fixture(scope='module')
 def models(tmp_path_factory, tokenizer_dir, data_root) -> dict[str, Path]:
     """A GQA source (4 query heads of 32 dims over 2 K/V heads), its f16 GGUF, and its DeepSeek-format conversions at
-    half its cache: the default split and the quantizable one."""
+    half its cache: the unrounded split and the quantizable one."""
     root = tmp_path_factory.mktemp('serve_models')
     # initializer_range 0.1: logits far from uniform, so greedy decoding is decided by clear margins
     save_tiny_llama(root / 'gqa', tokenizer_dir, seed=3, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -35,7 +35,8 @@ def models(tmp_path_factory, tokenizer_dir, data_root) -> dict[str, Path]:
                     initializer_range=0.1, rope_theta=500.0)
     convert = ['--method', 'mla', '--format', 'deepseek', '--cache-fraction', '0.5', '--data', str(data_root),
                '--tokens', '1024', '--batch-size', '4']
-    assert main(['convert', str(root / 'gqa'), str(root / 'deepseek'), *convert]) == 0
+    # the unrounded split asked for by name (by default convert chooses between it and the quantizable one)
+    assert main(['convert', str(root / 'gqa'), str(root / 'deepseek'), *convert, '--no-quantizable-cache']) == 0
     assert main(['convert', str(root / 'gqa'), str(root / 'deepseek_q'), *convert, '--quantizable-cache']) == 0
     assert main(['export-gguf', str(root / 'gqa'), str(root / 'gqa.gguf')]) == 0
     return {'gqa': root / 'gqa', 'deepseek': root / 'deepseek', 'deepseek_q': root / 'deepseek_q',
@@ -78,7 +79,7 @@ def test_a_q8_0_cache_holds_17_32nds_of_the_f16_bytes(models):
 
 
 def test_the_quantizable_split_exports_a_cache_llama_cpp_quantizes(models, tmp_path, capsys):
-    """The default split at half of 128 numbers is a 20-dim key and a 44-dim latent: llama.cpp refuses a q8_0 cache
+    """The unrounded split at half of 128 numbers is a 20-dim key and a 44-dim latent: llama.cpp refuses a q8_0 cache
     for it, and export-gguf says so in one line. --quantizable-cache gives a 32-dim key and a 32-dim latent, whose
     q8_0 cache loads and scores the held-out text near the f16 cache."""
     default = AutoConfig.from_pretrained(models['deepseek'])

@@ -206,8 +206,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--methods', nargs='+', default=list(REAL_METHODS), choices=REAL_METHODS)
     real.add_argument('--budgets', nargs='+', default=['kv1', 'kv2'], choices=REAL_BUDGETS,
                       help='kv1 / kv2: one / two K and V heads per layer (a third / two thirds of SmolLM2\'s cache); '
-                           'half / third: that fraction of any source\'s cache (a one-K/V-head source such as '
-                           'gemma3-270m: latent (MLA) rows only) (default: kv1 kv2)')
+                           'half / third / eighth: that fraction of any source\'s cache (where it is no whole number '
+                           'of K/V heads, as an eighth or a one-K/V-head source such as gemma3-270m: latent (MLA) rows '
+                           'only) (default: kv1 kv2)')
     real.add_argument('--tasks', nargs='+', default=list(REAL_TASKS), help='lm-eval tasks (default: %(default)s)')
     real.add_argument('--include', nargs='*', default=[], help='extra lm-eval task folders')
     real.add_argument('--source', default='smollm2-135m',
@@ -229,6 +230,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument('--kl-lr', dest='kl_lr', type=float, default=1.0e-4, help='the KL stage\'s peak lr (default 1e-4)')
     real.add_argument('--transfer-fraction', dest='transfer_fraction', type=float, default=0.5,
                       help='share of the training tokens spent on attention transfer; KL gets the rest (default 0.5)')
+    real.add_argument('--heal-points', dest='heal_points', type=int, nargs='+', default=[],
+                      help='the recovery curve: healing tokens (attention transfer + KL) at which each healing chain '
+                           'is scored, KL from each point to the next its own resumable stage (e.g. 32768 131072 '
+                           '524288 1048576); default: one KL stage to the method\'s --tokens')
     real.set_defaults(func=run_real)
     tables = bench.add_parser('real-tables', help="the README's headline table, the healing page's table and the ranking "
                               "(each competing row against the one just ahead) from bench real's results files, with "
@@ -250,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       '(default: the Rust book rustup installs, when present)')
     zero.add_argument('--validation', default=None, help='the validation text\'s folder (default: vim\'s help files)')
     zero.add_argument('--fresh', default=None, help='a folder or glob of text never designed or tuned on, held out '
-                      '(default: Perl\'s POD and modules, /usr/share/perl/5.*/**/*.p[om]d)')
+                      '(default: Perl\'s POD and modules, the .pod and .pm under /usr/share/perl/5.*)')
     zero.add_argument('--headers', default=None, help='the validation text of code, a folder or glob (default: C '
                       'headers, /usr/include/**/*.h)')
     zero.add_argument('--markdown', default=None, help='the validation text of Markdown, a folder or glob (default: '
@@ -458,5 +463,5 @@ def run_real(args: argparse.Namespace) -> int:
         transfer_fraction=args.transfer_fraction, transfer_lr=args.transfer_lr, kl_lr=args.kl_lr,
         asym_iterations=args.asym_iterations, eval_batch_size=args.eval_batch_size, methods=args.methods,
         budgets=args.budgets, tasks=args.tasks, include=args.include, source=args.source, train_data=args.train_data,
-        seed=args.seed), command=command_line(), results_copy=args.results)
+        seed=args.seed, heal_points=args.heal_points), command=command_line(), results_copy=args.results)
     return 0

@@ -34,7 +34,7 @@ from dha_train.bench_support import bench_say
 from dha_train.commands.bench.real.report import with_interval
 from dha_train.config import ConfigError
 from dha_train.evaluation import folder_sequence_losses, loss_interval, paired_loss_difference
-from dha_train.heldout_texts import VALIDATION_GLOB, text_files
+from dha_train.heldout_texts import VALIDATION_GLOB, folder_units, text_files
 from dha_train.model_folders import folder_digest
 from dha_train.models.head_map import HeadMap
 from dha_train.paths import recipe_path
@@ -51,7 +51,10 @@ class FusionBenchSettings:
     lambda_lr: Sequence[float] = (20.0,)
     margin_steps: Sequence[int] | None = None  # Eq. 8's margin warm-up k; default: the recipe's (bench real's)
     validation: str | None = None  # a folder or glob of text files (default: vim's help files)
-    text_tokens: int = 16384
+    text_tokens: int = 16384  # 64 sequences of bench real's 256 tokens
+    # each document's first characters (as `bench mla-zero`'s texts, whose validation split this one is): each
+    # sequence then starts in another document (until 2026-12-03 whole files: three of vim's help files)
+    max_document_chars: int | None = 512
     results: str | None = None
     source: str = 'smollm2-135m'
     device: str = 'auto'
@@ -85,7 +88,8 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
     if not files:
         raise ConfigError(f'bench fusion: no validation text at {settings.validation or VALIDATION_GLOB}')
     validation = text_folder(runner, 'validation', settings.validation or VALIDATION_GLOB, files, seed=settings.seed,
-                             tokens=settings.text_tokens, seq_len=real.seq_len)
+                             tokens=settings.text_tokens, seq_len=real.seq_len,
+                             max_document_chars=settings.max_document_chars)
     source_heads = runner.source_map.layers[0].num_key_heads
     if not 1 <= settings.kv_heads < source_heads or source_heads % settings.kv_heads:
         raise ConfigError(f'bench fusion: --kv-heads {settings.kv_heads} must divide the source\'s {source_heads} '
@@ -100,6 +104,7 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
                                                        'seq_len': real.seq_len},
                'source': {'folder': str(source), 'sha256': digest}, 'data': data,
                'texts': {'validation': settings.validation or VALIDATION_GLOB, 'heldout': data['heldout']['source']},
+               'text_splits': {name: {'root': str(root), 'units': folder_units(root)} for name, root in texts.items()},
                'rows': []}
     sequences = {}
 

@@ -67,7 +67,7 @@ from dha_train.evaluation import (
     sequence_losses,
 )
 from dha_train.harness import headline
-from dha_train.heldout_texts import BOOK_GLOB, HEADERS_GLOB, MARKDOWN_GLOB, VALIDATION_GLOB, text_files
+from dha_train.heldout_texts import BOOK_GLOB, HEADERS_GLOB, MARKDOWN_GLOB, VALIDATION_GLOB, folder_units, text_files
 from dha_train.model_folders import folder_digest
 
 ROWS = ('deepseek', 'deepseek_candidates', 'mla', 'mean_pool_refit', 'transmla')
@@ -81,7 +81,7 @@ FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
 # calibrates on (the calibration text is Python), in a markup (POD) none of the other texts uses.
 # Its 54 .pod files are too few documents for an interval (64 at least), so the modules' own POD and code (.pm) join
 # them (2026-12-03): a text of that name before then was the .pod files alone.
-DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.p[om]d'
+DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.p*'  # text_documents reads the .pod and .pm
 TRANSMLA_DEFAULTS = (64, 4)  # (qk_mqa_dim, freqfold): its one 64-dim shared RoPE key, the fold its scripts pass
 TEXTS = ('validation', 'validation_headers', 'validation_markdown', 'heldout_doc', 'heldout_book', 'heldout_fresh')
 VALIDATION_TEXTS = ('validation', 'validation_headers', 'validation_markdown')  # what fixed defaults are chosen on
@@ -103,12 +103,14 @@ class MlaZeroSettings:
     transmla_rope_dims: Sequence[int] = (16, 32, 64)  # TransMLA's RoPE key widths searched
     transmla_folds: Sequence[int] = (2, 4, 8)  # and its FreqFolds
     tokens: int = 16384  # calibration tokens of every row
-    text_tokens: int = 24576  # tokens scored on each text but /usr/share/doc (bench real's): 96 sequences of 256
+    text_tokens: int = 16384  # tokens scored on each text but /usr/share/doc (bench real's): 64 sequences of 256
     texts: Sequence[str] = TEXTS  # the texts scored (TransMLA's search needs validation)
-    # each document's first characters only (about 1,000 tokens), so a text's sequences come from a dozen documents
-    # or more, not the three or four longest (None: whole documents, as the 2026-11-27 rows were made)
-    max_document_chars: int | None = 4096
-    text_seq_len: int = 256  # 96 sequences from 64 documents or more (each capped by tokenize_documents)
+    # each document's first characters only (about 150 tokens, under a sequence), so each of a text's 64 sequences
+    # starts in another document: a sequence counts as one of the document its first token is of, so the documents
+    # are the sequences' independent units (None: whole documents, as the 2026-11-27 rows were made; 4,096 until
+    # 2026-12-03, when the texts' 32 sequences of 512 came from 13 to 18 documents)
+    max_document_chars: int | None = 512
+    text_seq_len: int = 256
     limit: int = 200
     tasks: Sequence[str] = ('piqa', 'arc_easy')
     source: str = 'smollm2-135m'
@@ -526,7 +528,9 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         return entries
 
     results = {'source': {'folder': str(source), 'sha256': digest, 'cached_numbers_per_token_per_layer': numbers},
-               'texts': notes, 'settings': {**asdict(settings), 'budgets': list(settings.budgets),
+               'texts': notes, 'text_splits': {name: {'root': str(root), 'units': folder_units(root)}
+                                               for name, root in texts.items()},
+               'settings': {**asdict(settings), 'budgets': list(settings.budgets),
                                             'texts': list(settings.texts),
                                             'rows': list(settings.rows), 'tasks': list(settings.tasks)},
                'rows': []}

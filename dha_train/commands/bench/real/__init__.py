@@ -92,6 +92,7 @@ from dha_train.bench_settings import (
     resolve_settings,
 )
 from dha_train.commands.bench.real.methods import RealBench
+from dha_train.commands.bench.real.recovery import plot_recovery, recovery_summary
 from dha_train.commands.bench.real.report import (
     add_intervals,
     in_bench_order,
@@ -181,6 +182,13 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
         bench.moh()
         save()
     results['plots'] = plot_rows(results, work)
+    if (recovery := plot_recovery(results, work)) is not None:
+        results['plots'].append(str(recovery))
+        results['recovery'] = recovery_summary(results)
+        for chain in results['recovery']:
+            print(f"  recovery, {chain['chain']}: " + ', '.join(
+                f"{p['healing_tokens']} tokens {p['hours']:.2f} h {p['share_of_teacher']:.1%}" for p in chain['points'])
+                + ' of the teacher\'s mean accuracy')
     save()
     print_table(results)
     print_intervals(results)

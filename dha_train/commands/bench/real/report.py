@@ -160,7 +160,7 @@ def print_table(results: dict) -> None:
 
 # kv1 / kv2 are named as on SmolLM2 (3 K/V heads); half / third are the fractions of any source's
 BUDGET_PANELS = {'kv1': 'a third of the cache', 'kv2': 'two thirds of the cache', 'half': 'half the cache',
-                 'third': 'one third of the cache', None: 'the full cache'}
+                 'third': 'one third of the cache', 'eighth': 'an eighth of the cache', None: 'the full cache'}
 
 
 def panel_curves(results: dict, metric: str, half_width: str) -> dict[str, dict]:
