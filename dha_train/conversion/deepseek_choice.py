@@ -31,7 +31,7 @@ class Candidate:
         return f"{'quantizable' if self.quantizable_cache else 'unrounded'} split, {self.balance} balance"
 
 
-FIXED_BALANCE = 'feature_norm'
+FIXED_BALANCE = 'feature_norm'  # up to a third of the source's cache; above it energy (deepseek.fixed_candidate)
 CANDIDATE_BALANCES = ('feature_norm', 'energy')
 
 

@@ -16,14 +16,12 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.calibration import calibrate, calibration_batches
-from dha_train.commands.bench.mla_zero import (
-    MlaZeroSettings,
+from dha_train.commands.bench.mla_zero import MlaZeroSettings, paired_rows, run_mla_zero_bench
+from dha_train.commands.bench.transmla_runner import (
     adopt_transmla,
     calibration_sequences,
     check_transmla,
     choose_on_validation,
-    paired_rows,
-    run_mla_zero_bench,
     run_transmla,
     transmla_candidates,
 )

@@ -1,44 +1,47 @@
 """`dha-train bench mla-zero`: MLA conversions at 0 training tokens, at equal cached numbers, on texts kept apart.
 
 The question it answers: which conversion of a GQA checkpoint to MLA loses least before any training, on text no
-conversion calibrated on and no default was chosen on. The source, its calibration text and the first held-out text
-are `bench real`'s (same ``--out`` folder, reused): SmolLM2-135M, the Python standard library (calibration, 16,384
-tokens for every row, the same sequences) and ``/usr/share/doc`` (held-out). Two more texts:
+conversion calibrated on, and which defaults hold across texts of different kinds. The source, its calibration text
+and the first held-out text are `bench real`'s (same ``--out`` folder, reused): SmolLM2-135M, the Python standard
+library (calibration, 16,384 tokens for every row, the same sequences; its 8,192-token val split is what `convert`
+chooses its split and balance on) and ``/usr/share/doc`` (held out). The other texts, each ``--text-tokens`` at
+``text_seq_len`` a sequence from documents cut to their first ``max_document_chars`` (so every sequence starts in
+another document and the documents are the intervals' units; the results record their count, ``text_splits``):
 
-- validation: vim's help files (``/usr/share/vim/vim*/doc``): the text the DeepSeek-layout defaults were chosen on
-  (``docs/methods/mla.md``, "Ablation"); reported so a reader sees how far choice and test differ;
-- book: a book given by ``--book`` (a folder of HTML or text files; default: The Rust Programming Language as rustup
-  installs it, when present), held out like ``/usr/share/doc``; its row is left out, and the results say so, where
-  there is no book. It was read while the DeepSeek layout's latent norm was redesigned, so it is no longer unseen;
-- fresh: a text nothing in the project was designed, tuned or chosen on, named before any row was scored on it
-  (``--fresh``; default: Perl's bundled POD documentation, ``/usr/share/perl/5.*/**/*.pod``). The comparison rests
-  on it: each row's loss per sequence, and paired differences (``paired``) against TransMLA's chosen setting.
+- validation (three kinds, what fixed defaults and TransMLA's setting are chosen on): vim's help files
+  (``/usr/share/vim/vim*/doc``, ``--validation``), C headers (``/usr/include``, ``--headers``) and Markdown
+  documentation (``/usr/lib/node_modules``, ``--markdown``);
+- book: a book given by ``--book`` (default: The Rust Programming Language as rustup installs it, when present),
+  held out; left out, and the results say so, where there is none;
+- fresh: held out, a text nothing in the project was designed, tuned or chosen on (``--fresh``; default: Perl's
+  bundled POD documentation and modules under ``/usr/share/perl/5.*``).
 
 Rows per budget (``kv1``: a third of the source's K+V numbers per token, ``kv2``: two thirds):
 
-- ``deepseek``: ``convert --method mla --format deepseek`` with its defaults (the layout engines serve);
+- ``deepseek``: ``convert --method mla --format deepseek`` with its defaults (the layout engines serve; the split and
+  balance chosen on the calibration data's val split, the choice in the row);
+- ``deepseek_candidates``: every split and balance that choice is among, each asked for by name, scored on every
+  text (``deepseek_candidates``); ``fixed_default`` is the one of the lowest mean loss over the validation texts, and
+  every candidate's paired difference from the former default (the unrounded split, the energy balance) per text;
 - ``mla``: ``convert --method mla`` (the project's MLA class) as `bench real` runs it;
 - ``mean_pool_refit``: the source mean-pooled to the budget's K/V heads, then ``dha-train refit``;
 - ``transmla``: TransMLA's own converter (``--transmla``: a checkout of github.com/fxmeng/TransMLA, run unchanged in
-  a subprocess; only its data loading is replaced, by the same calibration sequences), its latent rank the budget
-  less its RoPE key. It gets the tuning the project's defaults had: every RoPE key width of
+  a subprocess; only its data loading is replaced, by the same calibration sequences; ``transmla_runner``), its
+  latent rank the budget less its RoPE key. It gets the tuning the project's defaults had: every RoPE key width of
   ``--transmla-rope-dims`` (16, 32, 64) with every FreqFold of ``--transmla-folds`` (2, 4, 8) that its converter
-  accepts (the fold a multiple of head_dim / width) is converted and scored on the validation text
-  (``transmla_search``); the setting with the lowest validation loss is its row, with its defaults (a 64-dim key, fold 4, as its scripts run
-  it) as a second row when they were not chosen. Left out when no checkout is given.
+  accepts (the fold a multiple of head_dim / width) is converted and scored on vim's text (``transmla_search``);
+  the setting with the lowest loss there is its row, with its defaults (a 64-dim key, fold 4, as its scripts run it)
+  as a second row when they were not chosen. Left out when no checkout is given.
 
-Columns: the loss on each text (the mean of its sequences' losses, with a 95% interval over sequences), accuracy (acc_norm) on the first ``--limit`` validation documents of piqa and
-arc_easy, zero-shot, and per layer the relative error of the attention output when every layer reads the teacher's
-own input (``evaluation.attention_output_errors``): where the loss goes. Writes ``mla_zero/results.json`` under
-``--out`` and prints the table.
+Columns: the loss on each text (the mean of its sequences' losses, with a 95% interval over documents), accuracy
+(acc_norm) on the first ``--limit`` validation documents of piqa and arc_easy, zero-shot, and per layer the relative
+error of the attention output when every layer reads the teacher's own input (``evaluation.attention_output_errors``):
+where the loss goes. Writes ``mla_zero/results.json`` under ``--out`` and prints the tables (``mla_zero_tables``).
 """
-
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -50,6 +53,25 @@ import torch
 
 from dha_train.bench_runner import StageRunner, model_config, prepare_data, say, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
+from dha_train.commands.bench.mla_zero_tables import (
+    candidates_table,
+    markdown_table,
+    paired_table,
+    print_table,
+    search_table,
+    versus_former_table,
+)
+from dha_train.commands.bench.transmla_runner import (
+    CALIBRATION_BATCH,
+    TRANSMLA_DEFAULTS,
+    adopt_transmla,
+    calibration_sequences,
+    check_transmla,
+    choose_on_validation,
+    run_transmla,
+    set_latent_norm_aside,
+    transmla_candidates,
+)
 from dha_train.config import ConfigError
 from dha_train.conversion import deepseek_choice
 from dha_train.conversion.deepseek import DeepseekSettings, convert_to_deepseek, quantizable_fits
@@ -70,6 +92,10 @@ from dha_train.harness import headline
 from dha_train.heldout_texts import BOOK_GLOB, HEADERS_GLOB, MARKDOWN_GLOB, VALIDATION_GLOB, folder_units, text_files
 from dha_train.model_folders import folder_digest
 
+# the tables the docs quote, read from here by the figures test (BENCH_TABLES names this module)
+__all__ = ['MlaZeroSettings', 'candidates_table', 'markdown_table', 'paired_table', 'run_mla_zero_bench',
+           'search_table', 'versus_former_table']
+
 ROWS = ('deepseek', 'deepseek_candidates', 'mla', 'mean_pool_refit', 'transmla')
 LABELS = {'deepseek': 'DeepSeek layout', 'mla': 'MLA class', 'mean_pool_refit': 'mean-pool + refit',
           'transmla': 'TransMLA'}
@@ -82,10 +108,8 @@ FRACTIONS = {'kv1': 1 / 3, 'kv2': 2 / 3}
 # Its 54 .pod files are too few documents for an interval (64 at least), so the modules' own POD and code (.pm) join
 # them (2026-12-03): a text of that name before then was the .pod files alone.
 DEFAULT_FRESH_GLOB = '/usr/share/perl/5.*/**/*.p*'  # text_documents reads the .pod and .pm
-TRANSMLA_DEFAULTS = (64, 4)  # (qk_mqa_dim, freqfold): its one 64-dim shared RoPE key, the fold its scripts pass
 TEXTS = ('validation', 'validation_headers', 'validation_markdown', 'heldout_doc', 'heldout_book', 'heldout_fresh')
 VALIDATION_TEXTS = ('validation', 'validation_headers', 'validation_markdown')  # what fixed defaults are chosen on
-CALIBRATION_BATCH = 8  # rows per calibration batch, for every row (TransMLA's loader included)
 
 
 @dataclass
@@ -122,166 +146,6 @@ class MlaZeroSettings:
     val_tokens: int | None = None
     include: Sequence[str] = ()  # extra lm-eval task folders (tests: a local task)
     isolate_stages: bool = True
-
-
-# --- TransMLA, run from its own checkout ----------------------------------------------------------------------------
-def calibration_sequences(source: Path, data: Path, tokens: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The token rows the project's conversions calibrate on (``calibration.calibrate`` over
-    ``calibration_batches`` with the same data, batch size and seed: whole rows until ``tokens``)."""
-    from dha_train.calibration import calibration_batches
-
-    rows, count = [], 0
-    stream = calibration_batches(source, model_config(source), data=str(data), split='train', batch_size=batch_size,
-                                 seed=seed, who='bench mla-zero')
-    try:
-        for batch in stream:
-            ids = batch['input_ids']
-            needed = -(-(tokens - count) // ids.shape[1])
-            rows.append(ids[:needed])
-            count += rows[-1].numel()
-            if count >= tokens:
-                break
-    finally:
-        stream.close()
-    if count < tokens:
-        raise ConfigError(f'bench mla-zero: the calibration data gave {count} tokens, fewer than {tokens}')
-    return torch.cat(rows)
-
-
-def check_transmla(checkout: Path) -> Path:
-    """The folder TransMLA's converter runs from (``<checkout>/transmla``, holding ``transmla/converter.py``)."""
-    for candidate in (checkout / 'transmla', checkout):
-        if (candidate / 'transmla' / 'converter.py').is_file():
-            return candidate
-    raise ConfigError(f'bench mla-zero: --transmla {checkout} is not a TransMLA checkout (no transmla/converter.py '
-                      'under it or its transmla/ folder)')
-
-
-def run_transmla(checkout: Path, python: str, source: Path, sequences: Path, out: Path, rank: int,
-                 rope_dim: int, freq_fold: int, reference: Path) -> None:
-    """TransMLA's ``converter.main`` in a subprocess (its modules import each other by bare name, and it copies
-    modeling files by paths relative to its folder), fed ``sequences`` as its calibration loader. Then, in the same
-    subprocess, its converted model through its own classes, taken from the checkout (never from the folder it
-    wrote): the logits of the first two calibration rows, saved to ``reference``, which ``adopt_transmla`` must
-    reproduce."""
-    folder = check_transmla(checkout)
-    classes = folder / 'transmla' / 'transformers'
-    program = f'''
-import argparse, shutil, sys, torch
-sys.path.insert(0, {str(folder / 'transmla')!r})
-import converter
-ids = torch.load({str(sequences)!r})
-step = {CALIBRATION_BATCH}
-batches = [{{'input_ids': ids[i:i + step], 'attention_mask': torch.ones_like(ids[i:i + step])}} for i in range(0, len(ids), step)]
-converter.get_dataset_loader = lambda tokenizer, **kwargs: (batches, None)
-converter.main(argparse.Namespace(
-    model_path={str(source)!r}, save_path={str(out)!r}, dtype='fp32', device='cpu', cal_dataset='local',
-    cal_nsamples=len(ids), cal_batch_size=step, cal_max_seqlen=ids.shape[1], seed=42, ppl_eval_batch_size=0,
-    freqfold='{freq_fold}', collapse='auto', qk_mqa_dim={rope_dim}, q_lora_rank=None,
-    kv_lora_rank={rank}, balance_kv_ratio=1.0, use_qkv_norm=False, deepseek_style=False))
-# its classes as one package, copied from the checkout
-import pathlib
-package = pathlib.Path({str(reference.parent / 'transmla_classes')!r})
-package.mkdir(exist_ok=True)
-(package / '__init__.py').write_text('')
-for name in ('llama/configuration_llamamla.py', 'llama/modeling_llamamla.py', 'mla.py'):
-    shutil.copy(pathlib.Path({str(classes)!r}) / name, package)
-sys.path.insert(0, str(package.parent))
-from transmla_classes.configuration_llamamla import LlamaMLAConfig
-from transmla_classes.modeling_llamamla import LlamaMLAForCausalLM
-config = LlamaMLAConfig.from_pretrained({str(out)!r})
-model = LlamaMLAForCausalLM.from_pretrained({str(out)!r}, config=config, torch_dtype=torch.float32).eval()
-with torch.no_grad():
-    logits = model(input_ids=ids[:2]).logits
-torch.save({{'input_ids': ids[:2], 'logits': logits}}, {str(reference)!r})
-shutil.rmtree(package)
-'''
-    done = subprocess.run([python, '-c', program], cwd=folder, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f'bench mla-zero: TransMLA\'s converter failed (exit {done.returncode}):\n'
-                           f'{done.stderr[-3000:]}')
-
-
-def transmla_deepseek_config(source_config, transmla: dict):
-    """The ``DeepseekV3Config`` transformers' own class computes TransMLA's model with, once its latent norm is set
-    aside (``set_latent_norm_aside``): the source's sizes, dense MLPs, TransMLA's latent and RoPE widths, its RoPE
-    base, interleaved RoPE (its attention rotates interleaved pairs). Only numbers are read from its config."""
-    from transformers import DeepseekV3Config
-
-    numbers = {key: transmla[key] for key in ('kv_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim',
-                                              'rope_theta', 'rms_norm_eps')}
-    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in numbers.values()) or (
-            transmla.get('q_lora_rank') is not None or transmla.get('rope_scaling') is not None):
-        raise RuntimeError(f'bench mla-zero: TransMLA wrote a config this bench does not read: {numbers}, '
-                           f'q_lora_rank {transmla.get("q_lora_rank")!r}, rope_scaling {transmla.get("rope_scaling")!r}')
-    c = source_config
-    return DeepseekV3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        moe_intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads, n_shared_experts=1,
-        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
-        first_k_dense_replace=c.num_hidden_layers, q_lora_rank=None, hidden_act=c.hidden_act,
-        max_position_embeddings=c.max_position_embeddings, rope_scaling=None, rope_interleave=True,
-        attention_bias=False, attention_dropout=c.attention_dropout, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
-        initializer_range=c.initializer_range, torch_dtype='float32', **numbers)
-
-
-def set_latent_norm_aside(model) -> None:
-    """Each layer's latent norm replaced by the identity: TransMLA's latent has none (``use_qkv_norm`` off, as its
-    scripts run it)."""
-    for layer in model.model.layers:
-        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
-
-
-def adopt_transmla(written: Path, out: Path, source: Path, reference: Path, tolerance: float = 1e-3) -> dict:
-    """TransMLA's folder as one this project loads without its code: our config (``transmla_deepseek_config``), its
-    weights with a unit latent-norm weight per layer (set aside when scored), the source's tokenizer. The model is
-    checked against TransMLA's own: the largest logit difference on the reference rows must be under ``tolerance``
-    (float32), or the bench stops."""
-    from safetensors.torch import load_file, save_file
-
-    transmla = json.loads((written / 'config.json').read_text())
-    config = transmla_deepseek_config(model_config(source), transmla)
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
-    weights = load_file(str(written / 'model.safetensors'))
-    for layer in range(config.num_hidden_layers):
-        weights[f'model.layers.{layer}.self_attn.kv_a_layernorm.weight'] = torch.ones(config.kv_lora_rank)
-    save_file(weights, str(out / 'model.safetensors'), metadata={'format': 'pt'})
-    for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-    model, _ = load_model(out)
-    set_latent_norm_aside(model)
-    expected = torch.load(reference)
-    with torch.no_grad():
-        logits = model(input_ids=expected['input_ids']).logits
-    difference = float((logits - expected['logits']).abs().max())
-    if not difference < tolerance:
-        raise RuntimeError(f'bench mla-zero: {out} does not compute TransMLA\'s model: its logits differ from '
-                           f'TransMLA\'s own by up to {difference:.3g} (tolerance {tolerance})')
-    return {'reference_max_abs_logit_difference': difference}
-
-
-def transmla_candidates(head_dim: int, rope_dims: Sequence[int], folds: Sequence[int],
-                        numbers: int) -> list[tuple[int, int]]:
-    """The (RoPE key width, FreqFold) settings TransMLA's converter accepts for a head of ``head_dim`` at a budget of
-    ``numbers`` cached numbers: the width divides the head (its ``collapse`` is head_dim / width), the fold is a
-    multiple of that collapse and divides the head's pairs, and a latent rank is left."""
-    chosen = []
-    for width in rope_dims:
-        if width < 1 or head_dim % width or width >= numbers:
-            continue
-        collapse = head_dim // width
-        chosen += [(width, fold) for fold in folds
-                   if fold >= 1 and fold % collapse == 0 and (head_dim // 2) % fold == 0]
-    return chosen
-
-
-def choose_on_validation(search: Sequence[dict]) -> dict:
-    """The search entry with the lowest validation loss (the first of equals)."""
-    return min(search, key=lambda entry: entry['loss']['validation'])
 
 
 def paired_rows(rows: Sequence[dict], reference: dict, texts: dict[str, Path], *, seed: int) -> list[dict]:
@@ -615,107 +479,3 @@ def _probe_batch(heldout: Path, rows: int = 4) -> torch.Tensor:
     manifest = json.loads((heldout / 'manifest.json').read_text())
     domain = sorted(manifest['domains'])[0]
     return torch.as_tensor(np.stack(split_sequences(heldout, domain, 'val')[:rows]), dtype=torch.long)
-
-
-TEXT_COLUMNS = {'validation': 'validation (vim)', 'validation_headers': 'validation (C headers)',
-                'validation_markdown': 'validation (Markdown)', 'heldout_doc': 'held-out /usr/share/doc',
-                'heldout_book': 'held-out book', 'heldout_fresh': 'fresh held-out (Perl)'}
-
-
-def _loss_cell(row: dict, text: str) -> str:
-    if text not in row['loss']:
-        return '-'
-    interval = row.get('loss_ci95', {}).get(text)
-    return f"{row['loss'][text]:.3f}" + ('' if interval is None else f' ± {interval:.3f}')
-
-
-def _texts(rows: Sequence[dict]) -> list[str]:
-    return [name for name in TEXT_COLUMNS if any(name in row['loss'] for row in rows)]
-
-
-def markdown_table(results: dict) -> str:
-    """The results as the docs quote them (``tests/test_figures.py`` checks the docs' copy against the results)."""
-    texts = _texts(results['rows'])
-    tasks = list(results['settings']['tasks'])
-    header = ['row', 'cached numbers / token / layer', *(TEXT_COLUMNS[t] for t in texts), *tasks,
-              'mean layer error', 'worst layer']
-    lines = ['| ' + ' | '.join(header) + ' |', '|' + ' --- |' * len(header)]
-    for row in results['rows']:
-        errors = row['layer_errors']
-        worst = max(range(len(errors)), key=errors.__getitem__)
-        cells = [row['label'], str(row['numbers'])]
-        cells += [_loss_cell(row, t) for t in texts]
-        cells += [f"{row['accuracy'][t]:.3f}" if row['accuracy'].get(t) is not None else '-' for t in tasks]
-        cells += [f'{sum(errors) / len(errors):.3f}', f'{worst} ({errors[worst]:.3f})']
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines)
-
-
-def search_table(results: dict) -> str:
-    """TransMLA's settings as searched: every width and fold, its loss on each text, the one chosen on validation."""
-    search = results.get('transmla_search', [])
-    texts = _texts(search)
-    lines = ['| budget | RoPE key dims | fold | latent rank | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts)
-             + ' | chosen |', '|' + ' --- |' * (5 + len(texts))]
-    for entry in search:
-        cells = [entry['budget'], str(entry['qk_rope_head_dim']), str(entry['freq_fold']), str(entry['kv_lora_rank'])]
-        cells += [_loss_cell(entry, t) for t in texts] + ['yes' if entry['chosen'] else '']
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines)
-
-
-def paired_table(results: dict) -> str:
-    """Each row against TransMLA's chosen setting at its budget, per text: mean loss difference per sequence (the row
-    minus TransMLA; below 0 the row is better) and its 95% interval."""
-    paired = results.get('paired', [])
-    lines = ['| budget | row | against | text | difference | 95% interval |', '|' + ' --- |' * 6]
-    for entry in paired:
-        low, high = entry['ci95']
-        interval = '-' if low is None else f'[{low:+.3f}, {high:+.3f}]'  # None: a text of one document
-        lines.append(f"| {entry['budget']} | {entry['row']} | {entry['against']} | {TEXT_COLUMNS[entry['text']]} | "
-                     f"{entry['difference']:+.3f} | {interval} |")
-    return '\n'.join(lines)
-
-
-def candidates_table(results: dict) -> str:
-    """The DeepSeek layout's candidate splits and balances on every text, the former default marked, and which one
-    the validation texts chose as the fixed default."""
-    entries = results.get('deepseek_candidates', [])
-    texts = _texts(entries)
-    chosen = {entry['budget']: entry['chosen'] for entry in results.get('fixed_default', [])}
-    lines = ['| budget | split, balance | latent + RoPE key (stride) | ' + ' | '.join(TEXT_COLUMNS[t] for t in texts)
-             + ' | |', '|' + ' --- |' * (4 + len(texts))]
-    for entry in entries:
-        marks = [mark for mark, holds in (('the former default', entry['former_default']),
-                                          ('chosen on validation', chosen.get(entry['budget']) == entry['label']))
-                 if holds]
-        cells = [entry['budget'], entry['label'],
-                 f"{entry['kv_lora_rank']} + {entry['qk_rope_head_dim']} ({entry['rope_stride']})"]
-        cells += [_loss_cell(entry, t) for t in texts] + [', '.join(marks)]
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines)
-
-
-def versus_former_table(results: dict) -> str:
-    """Each candidate minus the former default, per text: the mean loss difference per sequence (below 0 better)
-    and its 95% interval over documents."""
-    lines = ['| budget | split, balance | text | minus the former default | 95% interval |', '|' + ' --- |' * 5]
-    for summary in results.get('fixed_default', []):
-        for entry in summary['against_former_default']:
-            low, high = entry['ci95']
-            interval = '-' if low is None else f'[{low:+.3f}, {high:+.3f}]'
-            lines.append(f"| {summary['budget']} | {entry['label']} | {TEXT_COLUMNS[entry['text']]} | "
-                         f"{entry['difference']:+.3f} | {interval} |")
-    return '\n'.join(lines)
-
-
-def print_table(results: dict) -> None:
-    print(markdown_table(results))
-    if results.get('deepseek_candidates'):
-        print('\n' + candidates_table(results) + '\n\n' + versus_former_table(results))
-    if results.get('transmla_search'):
-        print('\n' + search_table(results))
-    if results.get('paired'):
-        print('\n' + paired_table(results))
-    for skipped in results.get('skipped', []):
-        print(f"  skipped: {skipped['row']} at {skipped['budget']}: {skipped['reason']}")
