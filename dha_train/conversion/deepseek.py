@@ -23,11 +23,10 @@ from dha_train.calibration import CalibrationError, calibrate, calibration_batch
 from dha_train.config import ConfigError
 from dha_train.conversion.deepseek_choice import (
     CHOICE_TOKENS,
-    FIXED_BALANCE,
+    FIXED_BALANCES,
     Candidate,
     candidates,
     choice_sequences,
-    choose,
 )
 from dha_train.model_card import card_stage, write_model_card
 from dha_train.model_folders import check_model_folder, load_source_config
@@ -162,8 +161,8 @@ def fixed_candidate(config, settings: DeepseekSettings) -> Candidate:
     split with the feature-norm balance (ahead of the former unrounded split with the energy balance on all three
     and on held-out Perl), above it the unrounded split with the energy balance (feature-norm was behind it there)."""
     _, numbers = cached_numbers(config, settings)
-    balance = settings.balance or (FIXED_BALANCE if settings.cache_fraction <= QUANTIZABLE_BY_DEFAULT_UP_TO + 1e-6
-                                   else 'energy')
+    above = settings.cache_fraction > QUANTIZABLE_BY_DEFAULT_UP_TO + 1e-6
+    balance = settings.balance or FIXED_BALANCES[above]
     return Candidate(quantizable(settings, numbers, head_dim(config)), balance)
 
 
@@ -317,12 +316,13 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         raise ConfigError('convert --format deepseek needs calibration data (--data): the shared RoPE key, the '
                           'latent and its norm fit are taken from the source\'s attention inputs')
     options = candidates(settings.quantizable_cache, settings.balance, quantizable_fits(config, settings))
-    for option in options + [fixed_candidate(config, settings)]:  # every budget is checked before any work
+    fixed = fixed_candidate(config, settings)
+    for option in options + [fixed]:  # every budget is checked before any work
         budget(config, replace(settings, quantizable_cache=option.quantizable_cache))
     sequences = choice_sequences(settings.data, settings.choose_tokens) if len(options) > 1 else []
     fixed_because = None if sequences else _why_fixed(settings, len(options))
     if not sequences:
-        options = [fixed_candidate(config, settings)]
+        options = [fixed]
     model, _ = load_source_model(model_dir, config, device=settings.device, who='convert --format deepseek')
     batches = calibration_batches(model_dir, config, data=settings.data, split=settings.split,
                                   batch_size=settings.batch_size, seed=settings.seed, who='convert --format deepseek')
@@ -340,18 +340,17 @@ def convert_to_deepseek(model_dir: str | Path, out_dir: str | Path, settings: De
         covariances.append((running.gram / running.count).double().cpu())
         cross_energies.append(pair_key_cross_energy(attention.k_proj.weight.detach(), covariances[-1], kv_heads, dim))
 
-    losses, kept = [], None
+    losses, best, kept = [], None, None  # every candidate's loss; the lowest so far (the first of equals) and its build
     for option in options:
         chosen = replace(settings, quantizable_cache=option.quantizable_cache, balance=option.balance)
         built = _converted_model(model, config, calibration, covariances, cross_energies, chosen)
         if len(options) > 1:
             values = mean_token_losses(built[0].eval(), sequences)
             losses.append((option, sum(values) / len(values)))
-        if kept is None or choose(losses) is option:
-            kept = built  # the best so far; the others are let go
+        if best is None or losses[-1][1] < dict(losses)[best]:
+            best, kept = option, built  # the others are let go
     del model
     converted, report = kept
-    best = choose(losses) if losses else options[0]
     report['choice'] = ({'chosen': best.label, 'on': f'the val split of {settings.data}: {len(sequences)} sequences, '
                                                      f'{sum(map(len, sequences))} tokens',
                          'losses': {option.label: loss for option, loss in losses}} if losses else

@@ -10,7 +10,6 @@ calibrated on), and the model card records every candidate's loss. Without a val
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,8 @@ class Candidate:
         return f"{'quantizable' if self.quantizable_cache else 'unrounded'} split, {self.balance} balance"
 
 
-FIXED_BALANCE = 'feature_norm'  # up to a third of the source's cache; above it energy (deepseek.fixed_candidate)
+# the fixed default balance up to a third of the source's cache, and above it (deepseek.fixed_candidate)
+FIXED_BALANCES = ('feature_norm', 'energy')
 CANDIDATE_BALANCES = ('feature_norm', 'energy')
 
 
@@ -63,7 +63,3 @@ def choice_sequences(data: str, tokens: int) -> list[np.ndarray]:
         index += 1
     return chosen
 
-
-def choose(losses: Sequence[tuple[Candidate, float]]) -> Candidate:
-    """The candidate of the lowest loss (the first of equals)."""
-    return min(losses, key=lambda entry: entry[1])[0]
