@@ -16,7 +16,7 @@ import numpy as np
 from streaming import MDSWriter
 
 from dha_train.model_folders import file_sha256
-from dha_train.paths import recipe_path
+from dha_train.paths import recipe_path, write_file_atomically
 
 COLD_BYTES = 512 * 2 ** 20  # K/V copies the attention timings cycle through, so a cache is read from memory
 SYNTHETIC_SEQ_LEN = 256
@@ -92,3 +92,15 @@ def bench_source(work: Path, source: str, say=print) -> Path:
         say(f'importing {source} into {folder} (about 45 s on 2 cores) ...')
         import_gguf(source, folder, overwrite=True)
     return folder
+
+
+def write_results(results: dict, folder: Path, copy_to: str | Path | None = None) -> str:
+    """Write a bench's ``results.json`` in its own folder and, when asked (``--results``), the same bytes at
+    ``copy_to`` (docs/results/...): each atomically, so a run cut off leaves every file whole; returns the text."""
+    text = json.dumps(results, indent=2, default=str)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    write_file_atomically(Path(folder) / 'results.json', text)
+    if copy_to is not None:
+        Path(copy_to).parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomically(Path(copy_to), text)
+    return text

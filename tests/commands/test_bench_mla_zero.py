@@ -274,8 +274,11 @@ def test_bench_mla_zero_scores_every_row_on_every_text_at_its_budget(tmp_path, t
     without = run_mla_zero_bench(settings)
     assert [row['label'] for row in without['rows']] == ['teacher', 'DeepSeek layout kv1', 'mean-pool + refit kv1']
     assert without['skipped'] == [{'row': 'transmla', 'budget': 'kv1', 'reason': 'no --transmla checkout given'}]
-    settings = replace(settings, transmla=str(tmp_path / 'transmla'))
+    copy = tmp_path / 'docs' / 'mla_zero.json'
+    settings = replace(settings, transmla=str(tmp_path / 'transmla'), results=str(copy))
     results = run_mla_zero_bench(settings)
+    # --results: the same bytes as the bench's own results.json, in a folder it makes
+    assert copy.read_bytes() == (tmp_path / 'bench' / 'mla_zero' / 'results.json').read_bytes()
     rows = {row['label']: row for row in results['rows']}
     chosen = 'TransMLA 4-dim key, fold 2 (chosen on validation) kv1'
     assert list(rows) == ['teacher', 'DeepSeek layout kv1', 'mean-pool + refit kv1', chosen]

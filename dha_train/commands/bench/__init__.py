@@ -276,6 +276,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'])
     zero.add_argument('--source', default=zero_defaults.source)
     zero.add_argument('--seed', type=int, default=zero_defaults.seed)
+    zero.add_argument('--results', default=None, help='also write the results file here (docs/results/)')
     zero.set_defaults(func=run_mla_zero)
     fusion = bench.add_parser('fusion', help="DHA's Fusion on bench real's source under several fusion / multiplier "
                               'learning rates: L_fusion per batch, convergence, validation loss of the baked model')

@@ -9,12 +9,11 @@ both. Each document's scores must agree (log-likelihoods within 1e-4, the same c
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dha_train.bench_support import bench_say
+from dha_train.bench_support import bench_say, write_results
 
 TASKS = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande', 'sciq')
 
@@ -105,8 +104,7 @@ def run_eval_speed_bench(settings: EvalSpeedSettings | None = None) -> dict:
     results = {'settings': {k: v for k, v in asdict(settings).items() if k != 'results_file'}, 'model': str(folder),
                'tasks': rows, 'total': {'hflm_s': round(total_plain, 2), 'cached_s': round(total_cached, 2),
                                         'speedup': round(total_plain / total_cached, 2)}}
-    for path in (out / 'results.json', *([Path(settings.results_file)] if settings.results_file else [])):
-        path.write_text(json.dumps(results, indent=2))
+    write_results(results, out, settings.results_file)
     print(markdown_table(results))
     return results
 

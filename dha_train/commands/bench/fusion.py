@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
-from dha_train.bench_support import bench_say
+from dha_train.bench_support import bench_say, write_results
 from dha_train.commands.bench.real.report import with_interval
 from dha_train.config import ConfigError
 from dha_train.evaluation import folder_sequence_losses, loss_interval, paired_loss_difference
@@ -148,10 +148,7 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
     results['plots'] = [str(plot_fusion(results, runs / 'fusion.png'))]
     if len(budgets) > 1:
         results['plots'].append(str(plot_budgets(results, runs / 'fusion_budgets.png')))
-    text = json.dumps(results, indent=2, default=str)
-    (runs / 'results.json').write_text(text)
-    if settings.results:
-        Path(settings.results).write_text(text)
+    write_results(results, runs, settings.results)
     print(markdown_table(results))
     return results
 

@@ -32,9 +32,8 @@ from typing import Sequence
 
 from dha_train.bench_runner import StageRunner, command_line, prepare_data, source_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
-from dha_train.bench_support import bench_say, launch_bench_recipe
+from dha_train.bench_support import bench_say, launch_bench_recipe, write_results
 from dha_train.model_folders import folder_digest
-from dha_train.paths import write_file_atomically
 
 STAGES = (('transfer', 'real/transfer.yaml'), ('kl', 'real/kl.yaml'))
 BASE_ARM = 'fsdp-1p'
@@ -148,10 +147,7 @@ def run_healing_speed_bench(settings: HealingSpeedSettings, command: str | None 
         results['arms'][arm.name] = {'processes': arm.processes, 'fsdp': arm.fsdp,
                                      'microbatch': arm.microbatch or real.microbatch, 'stages': stages}
     _summarise(results)
-    text = json.dumps(results, indent=2)
-    write_file_atomically(work / 'results.json', text)
-    if settings.results:
-        write_file_atomically(Path(settings.results), text)
+    write_results(results, work, settings.results)
     print_summary(results)
     return results
 

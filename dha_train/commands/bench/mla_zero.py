@@ -53,6 +53,7 @@ import torch
 
 from dha_train.bench_runner import StageRunner, model_config, prepare_data, say, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
+from dha_train.bench_support import write_results
 from dha_train.commands.bench.mla_zero_tables import (
     candidates_table,
     markdown_table,
@@ -140,6 +141,7 @@ class MlaZeroSettings:
     source: str = 'smollm2-135m'
     device: str = 'auto'
     seed: int = 17
+    results: str | None = None  # also write the results file here (docs/results/mla_zero.json)
     # bench real's settings for the calibration and /usr/share/doc texts (None: its defaults for the device)
     train_data: str | None = None
     seq_len: int | None = None
@@ -398,9 +400,8 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
                                             'texts': list(settings.texts),
                                             'rows': list(settings.rows), 'tasks': list(settings.tasks)},
                'rows': []}
-    def save() -> None:  # after every row, so a stopped run leaves what it measured
-        runs.mkdir(parents=True, exist_ok=True)
-        (runs / 'results.json').write_text(json.dumps(results, indent=2, default=str))
+    def save(copy_to: str | None = None) -> None:  # after every row, so a stopped run leaves what it measured
+        write_results(results, runs, copy_to)
 
     teacher = score('teacher', str(source))
     results['rows'].append({'label': 'teacher', 'row': 'teacher', 'budget': None, 'numbers': numbers, **teacher})
@@ -434,7 +435,7 @@ def run_mla_zero_bench(settings: MlaZeroSettings | None = None) -> dict:
         chosen = [r for r in results['rows'] if r['budget'] == budget and r.get('chosen_on') == 'validation']
         if chosen:
             results.setdefault('paired', []).extend(paired_rows(results['rows'], chosen[0], texts, seed=settings.seed))
-    save()
+    save(settings.results)
     print_table(results)
     print(f'  results.json in {runs}')
     return results

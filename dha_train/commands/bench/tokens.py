@@ -53,7 +53,7 @@ import numpy as np
 
 from dha_train.bench_runner import command_line, prepare_data, run_stage, source_folder, text_folder
 from dha_train.bench_settings import RealSettings, resolve_settings
-from dha_train.bench_support import bench_say
+from dha_train.bench_support import bench_say, write_results
 from dha_train.config import ConfigError
 from dha_train.conversion.refit import RefitSettings, refit_folder
 from dha_train.export import export_hf
@@ -150,7 +150,7 @@ def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
                'learning_rate': 'each recipe\'s, held after the same warm-up for every arm (scheduler.alpha_f=1)'}
 
     def save() -> None:
-        (work / 'results.json').write_text(json.dumps(results, indent=2))
+        write_results(results, work)
 
     for seed in settings.seeds:
         for arm in ARMS:
@@ -160,9 +160,7 @@ def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
     results.update(summarise(runs))
     save()
     plot_tokens(results, work / 'tokens.png')
-    if settings.results:
-        Path(settings.results).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / 'results.json', settings.results)
+    write_results(results, work, settings.results)
     print(markdown_table(results))
     print(f'  results.json and tokens.png in {work}')
     return results

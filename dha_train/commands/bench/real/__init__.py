@@ -73,7 +73,6 @@ docs quote); ``run_real_bench`` below runs them in order.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -91,6 +90,7 @@ from dha_train.bench_settings import (
     check_budgets,
     resolve_settings,
 )
+from dha_train.bench_support import write_results
 from dha_train.commands.bench.real.methods import RealBench
 from dha_train.commands.bench.real.recovery import plot_recovery, recovery_summary
 from dha_train.commands.bench.real.report import (
@@ -147,10 +147,7 @@ def run_real_bench(settings: RealSettings | None = None, command: str | None = N
         add_intervals(results, seed=settings.seed)
         results['skipped'] = list(bench.skipped)
         results['total_seconds'] = round(time.perf_counter() - started, 1)
-        text = json.dumps(results, indent=2, default=str)
-        (work / 'results.json').write_text(text)
-        if results_copy is not None:
-            Path(results_copy).write_text(text)
+        write_results(results, work, results_copy)
 
     bench.teacher()
     save()
