@@ -6,11 +6,11 @@ reads, for Composer, for export and for the pre-check alike, with one checked re
 
 - **whole files**: Composer's ``_torch_load_with_validation`` becomes ``torch_load`` (``weights_only=True`` with
   exactly ``SAFE_GLOBALS``), so the file is checked at the moment Composer loads it, local or downloaded;
-- **``.metadata``**: ``FileSystemReader.read_metadata`` unpickles with ``_MetadataUnpickler`` (the DCP metadata
+- **``.metadata``**: ``FileSystemReader.read_metadata`` unpickles with ``MetadataUnpickler`` (the DCP metadata
   classes of ``METADATA_GLOBALS``, no BUILD on a class or a function, shard files named by base name) and returns that
   object; torch's plain-pickle read never runs;
 - **non-tensor items**: ``DefaultLoadPlanner.load_bytes`` keeps the object ``check_byte_item`` unpickled;
-- **numpy**: the RNG state's arrays are rebuilt from a fresh plain dtype (``_PickledDtype``, ``_CheckedArray``): a
+- **numpy**: the RNG state's arrays are rebuilt from a fresh plain dtype (``dha_train.checkpoint_pickles``): a
   dtype re-stated with fields, object type or flags is refused, so no array can read raw bytes as pointers;
 - **tar archives**: Composer would extract one (``download_checkpoint``); refused, local or remote;
 - **declared sizes** (``dha_train.checkpoint_sizes``): ``.metadata``'s tensors must be backed by their chunks' stored
@@ -30,18 +30,15 @@ Not checked: bit flips inside tensor data (that would mean reading every byte).
 
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import pickle
 import re
 import tempfile
-import types
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from composer.checkpoint import load as composer_checkpoint_load
 from composer.utils import checkpoint as composer_checkpoint
@@ -52,106 +49,19 @@ from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.torch_version import TorchVersion
 
+from dha_train.checkpoint_pickles import (
+    SAFE_GLOBALS,
+    SHARDED_METADATA,
+    CheckpointError,
+    MetadataUnpickler,
+    UnsafeCheckpointError,
+)
 from dha_train.checkpoint_sizes import metadata_size_problem, tensor_size_problem
-from dha_train.errors import DhaTrainError, OutputExistsError
 from dha_train.untrusted import UntrustedDataError, check_tokenizer_entries, config_fields, plain_name
 from dha_train.weight_sizes import check_config_sizes
 
 LATEST = 'latest-rank0.pt'  # Composer's link to the newest checkpoint in a save_folder (rank 0's)
-# Composer's default save_filename as rank 0 writes it (dha-train sets no other): ep{epoch}-ba{batch}-rank0.pt
-_RANK0_CHECKPOINT = re.compile(r'ep(\d+)-ba(\d+)-rank0\.pt')
-SHARDED_METADATA = '.metadata'
-
-
-class CheckpointError(DhaTrainError, ValueError):
-    """The checkpoint is missing, unreadable, or not a dha_train/Composer checkpoint."""
-
-
-class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint that names code to run, or forges an object: refused before anything of it runs."""
-
-
-# numpy's RNG state (``rng[*].numpy``) is the one numpy object a Composer checkpoint holds: a plain uint32 array (the
-# MT19937 key). Its pickle calls numpy.dtype('u4', False, True), BUILDs the dtype with its state, then numpy's
-# _reconstruct(ndarray, (0,), b'b') and BUILDs the array with (version, shape, dtype, fortran, raw bytes). A dtype's
-# state can add fields of object type with the flags cleared, and the array's raw bytes are then read as object
-# pointers. So dha-train's reader builds neither numpy class from the pickle: 'numpy.dtype' builds a ``_PickledDtype``
-# that takes only the exact state of a plain dtype of ``PLAIN_DTYPES``, and 'numpy.ndarray' a ``_CheckedArray`` whose
-# state must carry such a dtype and exactly the bytes its shape needs; the array is made with a fresh
-# ``np.dtype(spec)``, never with a dtype the pickle stated.
-PLAIN_DTYPES = ('u4',)
-
-
-class _PickledDtype:
-    """A checkpoint's numpy dtype as dha-train reads it: the name of a plain dtype, checked; not a numpy dtype."""
-
-    def __init__(self, spec: Any, align: Any = False, copy: Any = True):
-        if not (isinstance(spec, str) and spec in PLAIN_DTYPES and align in (False, 0) and copy in (True, 1)):
-            raise UnsafeCheckpointError(f'it holds a numpy dtype {spec!r}, not one of the plain dtypes of a '
-                                        f"checkpoint's RNG state ({', '.join(PLAIN_DTYPES)})")
-        self.spec = spec
-
-    def __setstate__(self, state: Any) -> None:
-        if state != np.dtype(self.spec).__reduce__()[2]:
-            raise UnsafeCheckpointError(f'it re-states numpy dtype {self.spec} with fields, an object type or '
-                                        'flags; only the plain dtype is allowed')
-
-
-class _CheckedArray(np.ndarray):
-    """A checkpoint's numpy array as dha-train reads it: a plain dtype of ``PLAIN_DTYPES`` and exactly the bytes its
-    shape needs (an ndarray subclass, so numpy's RNG takes it as it is)."""
-
-    def __setstate__(self, state: Any) -> None:
-        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], _PickledDtype)):
-            raise UnsafeCheckpointError('it holds a numpy array whose state is not the plain (version, shape, '
-                                        'dtype, order, bytes) form of a plain dtype')
-        version, shape, dtype, fortran, raw = state
-        plain = np.dtype(dtype.spec)
-        if not (version == 1 and isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)
-                and fortran in (False, True) and type(raw) is bytes
-                and len(raw) == plain.itemsize * int(np.prod(shape, dtype=np.int64))):
-            raise UnsafeCheckpointError(f'it holds a numpy {dtype.spec} array whose shape, order and bytes do not '
-                                        'fit together')
-        super().__setstate__((version, shape, plain, fortran, raw))
-
-    def __reduce__(self):  # saved again (export's gather of a sharded folder) as the plain ndarray it stands for
-        return self.view(np.ndarray).__reduce__()
-
-
-def _checked_reconstruct(subtype: Any, shape: Any, dtype: Any) -> _CheckedArray:
-    """numpy's ``_reconstruct`` as dha-train's reader allows it: the empty array numpy's own pickles start from."""
-    if subtype is not _CheckedArray or shape != (0,) or dtype != b'b':
-        raise UnsafeCheckpointError('it rebuilds a numpy array otherwise than numpy pickles a plain ndarray')
-    return _CheckedArray((0,), dtype='b')
-
-
-# Every non-tensor type a Composer 0.32.1 checkpoint written by `dha-train train` holds, as
-# torch.serialization.get_unsafe_globals_in_checkpoint lists them for full and sharded (gathered) checkpoints with
-# algorithms, callbacks and evaluators. weights_only=True allows these and nothing else beyond tensors and plain data.
-SAFE_GLOBALS: list[Any] = [
-    datetime.timedelta,  # state.timestamp: the wall-clock times
-    TorchVersion,  # state.metadata: the torch version that wrote the checkpoint
-    # rng[*].numpy: numpy's RNG state, built by the checked stand-ins above under the names numpy pickles with (numpy
-    # 2's _core and numpy 1's core: the numpy pin allows both, and a checkpoint may move between them).
-    (_PickledDtype, 'numpy.dtype'),
-    (_CheckedArray, 'numpy.ndarray'),
-    (_checked_reconstruct, 'numpy._core.multiarray._reconstruct'),
-    (_checked_reconstruct, 'numpy.core.multiarray._reconstruct'),
-]
-
-
-# What a torch.distributed.checkpoint ``.metadata`` (torch 2.7, as Composer 0.32.1 writes it) names: its dataclasses,
-# the storage info of the filesystem writer, tensor sizes, dtypes and layouts, and the checkpoint's path.
-METADATA_GLOBALS = frozenset({
-    *(('torch.distributed.checkpoint.metadata', name) for name in (
-        'Metadata', 'MetadataIndex', 'StorageMeta', 'TensorStorageMetadata', 'BytesStorageMetadata',
-        'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')),
-    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'),
-    ('torch', 'Size'), ('torch.serialization', '_get_layout'),
-    ('pathlib', 'PosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PurePosixPath'), ('pathlib', 'PureWindowsPath'),
-})
 
 
 def _refused_type(exc: Exception) -> str | None:
@@ -161,37 +71,11 @@ def _refused_type(exc: Exception) -> str | None:
     return (refused.group(1) or refused.group(2)) if refused else None
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked, the C one's cannot
-    """Unpickles a DCP ``.metadata`` building only ``METADATA_GLOBALS`` and torch dtypes, with BUILD only on
-    instances of the allowed classes (never on a class, a function or a module: that would set attributes on them
-    for the whole process)."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_GLOBALS or (module == 'torch' and isinstance(getattr(torch, name, None),
-                                                                                     torch.dtype)):
-            return super().find_class(module, name)
-        raise UnsafeCheckpointError(f'its {SHARDED_METADATA} names {module}.{name}, which a torch.distributed.checkpoint '
-                                    'metadata file does not hold; dha-train refuses to unpickle it')
-
-    def load_build(self) -> None:
-        target = self.stack[-2]  # BUILD's operands: the object, then its state on top
-        allowed = type(target).__module__, type(target).__name__
-        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)) \
-                or allowed not in METADATA_GLOBALS:
-            raise UnsafeCheckpointError(f'its {SHARDED_METADATA} sets the state of {target!r:.80}, which is not an '
-                                        'instance of a metadata class; dha-train refuses to unpickle it')
-        super().load_build()
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-
 def read_checked_metadata(path: str | Path) -> dcp_metadata.Metadata:
-    """A sharded folder's ``.metadata``, unpickled once by ``_MetadataUnpickler``, with every shard file it names a
+    """A sharded folder's ``.metadata``, unpickled once by ``MetadataUnpickler``, with every shard file it names a
     plain file name inside the folder (Composer downloads remote shards to those names)."""
     with open(Path(path) / SHARDED_METADATA, 'rb') as metadata_file:
-        metadata = _MetadataUnpickler(metadata_file).load()
+        metadata = MetadataUnpickler(metadata_file).load()
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f'its {SHARDED_METADATA} holds a {type(metadata).__name__}, not DCP metadata')
     for info in (metadata.storage_data or {}).values():
@@ -496,106 +380,3 @@ def load_composer_state(path: str | Path) -> dict:
         except Exception as exc:  # torch raises many types for corrupt shard files
             raise _incomplete(path, f'{type(exc).__name__}: {exc}') from exc
         return _check_state(_load(gathered, mmap=False, shown=path), path)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Saving: whole files only, and no save folder Composer would refuse once the model is built
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def save_checkpoints_atomically() -> None:
-    """Have Composer write each whole-file checkpoint under a hidden temporary name in its folder and rename it into
-    place once complete (idempotent; rank 0 writes these files).
-
-    Composer 0.32.1 writes the final name directly, so a save cut off by SIGTERM (preemption, scancel, Ctrl-C: its
-    handler exits at once) or by a full disk left a torn ``ep*-ba*-rank0.pt`` beside the intact previous checkpoint
-    that latest-rank0.pt still names, and Composer then refused the autoresume (a later checkpoint is in the folder).
-    A killed save now leaves nothing; a SIGKILL at worst a hidden ``.partial-*`` file, which nothing reads. Sharded
-    checkpoints are torch.distributed.checkpoint folders, not covered: one cut off lacks its ``.metadata`` (written
-    last) or has short shard files, and ``check_checkpoint`` refuses it.
-    """
-    write = composer_checkpoint._write_checkpoint_file
-    if getattr(write, 'renames_into_place', False):
-        return
-
-    def write_then_rename(state_dict: dict[str, Any], filename: str) -> None:
-        folder, name = os.path.split(filename)
-        # The same suffix: Composer picks tar or compressed formats from it.
-        partial = os.path.join(folder, f'.partial-{os.getpid()}-{name}')
-        try:
-            write(state_dict, partial)
-            os.replace(partial, filename)
-        finally:
-            if os.path.lexists(partial):
-                os.remove(partial)
-
-    write_then_rename.renames_into_place = True  # type: ignore[attr-defined]
-    composer_checkpoint._write_checkpoint_file = write_then_rename
-
-
-def checkpoint_time(path: str | Path) -> tuple[int, int] | None:
-    """The (epoch, batch) a Composer checkpoint's name records (``ep0-ba12-rank0.pt``), or None for another name."""
-    match = re.search(r'ep(\d+)-ba(\d+)', Path(path).name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _listed(paths: list[Path]) -> str:
-    return ', '.join(p.name for p in paths[:4]) + (f' and {len(paths) - 4} more' if len(paths) > 4 else '')
-
-
-def _is_whole(path: Path) -> bool:
-    try:
-        check_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
-
-
-def refuse_later_checkpoints(folder: Path, start: Path | None, setting: str) -> None:
-    """Refuse a save folder that holds rank-0 checkpoints later than ``start``, the checkpoint the run resumes from
-    (None: it starts from scratch). Composer refuses the same folder, but only at fit start, once everything is built,
-    with a traceback. ``setting`` (autoresume, load_path or save_folder) is how the run chose ``start``. Reads only;
-    the message says what to change in the folder."""
-    if start is None:
-        epoch = batch = 0
-    elif (time := checkpoint_time(start)) is None:
-        return  # a load_path named otherwise: its time is known only once loaded, and Composer checks then
-    else:
-        epoch, batch = time
-    later = []
-    for path in folder.iterdir():
-        match = _RANK0_CHECKPOINT.fullmatch(path.name)
-        if match and (int(match.group(1)) > epoch or int(match.group(2)) > batch):
-            later.append(path)
-    if not later:
-        return
-    later.sort(key=lambda p: checkpoint_time(p) or (0, 0))
-    if start is None and setting != 'autoresume':
-        raise OutputExistsError(
-            f'save_folder {folder} already holds checkpoints ({_listed(later)}) and this run starts from scratch; '
-            'set autoresume: true (with their run_name) to resume them, save_overwrite: true to replace them, or '
-            'choose another save_folder')
-    if start is None:
-        whole = next((p for p in reversed(later) if _is_whole(p)), None)
-        hint = (f'point {LATEST} at {whole.name}, the newest whole one, to resume from it' if whole is not None else
-                'none of them is a whole checkpoint: move them away to start again')
-        raise CheckpointError(
-            f'autoresume: {folder} holds checkpoints ({_listed(later)}) but no {LATEST} link to resume from (a run '
-            f'killed while it saved?); {hint}. Nothing in {folder} was changed')
-    if setting != 'autoresume':
-        raise CheckpointError(
-            f'{setting}: save_folder {folder} holds {_listed(later)}, later than {start.name}, which the run starts '
-            'from; Composer refuses to train into a folder holding later checkpoints: move them away, set '
-            f'save_overwrite: true to replace them, or choose another save_folder. Nothing in {folder} was changed')
-    verdicts = []
-    for path in later[:4]:
-        if _is_whole(path):
-            verdicts.append(f'{path.name} is a whole checkpoint: point {LATEST} at it to resume from there, or '
-                            'delete it')
-        else:
-            verdicts.append(f'{path.name} is incomplete (a save cut off by a kill or a full disk?): delete it to '
-                            f'resume from {start.name}')
-    raise CheckpointError(
-        f'autoresume: {folder} holds {_listed(later)}, later than {start.name}, which {LATEST} names and the run '
-        f'would resume from; Composer refuses to train into a folder holding later checkpoints. '
-        f'{"; ".join(verdicts)}. Nothing in {folder} was changed')

@@ -23,14 +23,8 @@ import dha_train.algorithms  # noqa: F401  (each module registers its algorithm)
 import dha_train.callbacks  # noqa: F401  (each module registers its callback)
 from dha_train import registry
 from dha_train.builders import build_model, build_model_config, wrap_composer
-from dha_train.checkpoints import (
-    LATEST,
-    CheckpointError,
-    check_checkpoint,
-    refuse_later_checkpoints,
-    refuse_tar,
-    save_checkpoints_atomically,
-)
+from dha_train.checkpoint_saving import refuse_later_checkpoints, save_checkpoints_atomically
+from dha_train.checkpoints import LATEST, CheckpointError, check_checkpoint, refuse_tar
 from dha_train.config import ConfigError, TrainConfig, config_to_dict, load_config, per_device_batch
 from dha_train.data.loaders import build_evaluators, build_train_dataloader, check_data_matches_model
 from dha_train.data.tokenizer import load_tokenizer
