@@ -73,3 +73,7 @@ def user_error(exc: BaseException) -> DhaTrainError | None:
     if isinstance(exc, DhaTrainError):
         return exc
     return disk_error(exc)
+
+
+class EvalError(DhaTrainError, ValueError):
+    """Bad arguments to `dha-train eval` / `compare`: named before anything heavy runs."""

