@@ -51,13 +51,12 @@ from dha_train.ops.budget import (
     totals_text,
     whole_head_count,
 )
+from dha_train.ops.fitness_search import asymmetric_search, symmetric_search
 from dha_train.ops.grouping import (
     Partition,
     anneal_equal_groups_batch,
-    asymmetric_search,
     neighbour_groups,
     partition_to_assignment,
-    symmetric_search,
     within_group_score,
 )
 from dha_train.ops.heads import gather_heads, mean_pool_heads

@@ -6,18 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from dha_train.ops.fitness_search import asymmetric_search, symmetric_search
 from dha_train.ops.grouping import (
     anneal_equal_groups,
     anneal_equal_groups_batch,
     assignment_to_partition,
-    asymmetric_search,
     canonical_partition,
     full_rescore_anneal,
     full_rescore_anneal_batch,
     neighbour_groups,
     partition_to_assignment,
     swap_delta,
-    symmetric_search,
     validate_partition,
     within_group_score,
 )
