@@ -18,7 +18,6 @@ see is added as a stated reserve (``RESERVE_GIB``: the CUDA context and NCCL buf
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -39,6 +38,7 @@ from dha_train.distributed import causal_lm_on_meta, shard_blocks
 from dha_train.model_folders import load_model_config, weights_optional
 from dha_train.models.llama_layout import attention_head_widths
 from dha_train.optim import build_optimizer
+from dha_train.plan_probes import PROBE_DEPTHS, MemoryReading, cut_to, extrapolated, probe_layers
 from dha_train.weight_sizes import parameter_count
 
 GIB = 2 ** 30
@@ -77,23 +77,6 @@ def gpu_spec(name: str) -> Gpu:
     if gib <= 0:
         raise ConfigError(f'plan: --gpu must be a positive number of GiB, got {name}')
     return Gpu(f'{gib:g} GiB', gib, GPUS['a100-80g'].bf16_flops)
-
-
-@dataclass
-class MemoryReading:
-    """One rank's tracked peak, by category (bytes)."""
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    fsdp_buffers: int
-    teacher: int
-    other: int
-
-    @property
-    def total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer + self.activations + self.fsdp_buffers
-                + self.teacher + self.other)
 
 
 class _FirstStep:
@@ -146,7 +129,7 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
 
     A model deeper than ``PROBE_DEPTHS`` allows is measured at two probes (its first 3 layers, then those and its
     widest later layer, with the teacher, the attention-transfer source and the head map cut alike) and extrapolated
-    layer by layer (see ``_extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B
+    layer by layer (see ``extrapolated``); ``exact`` measures every layer instead (about 0.8 s a layer of LLaMA-2-7B
     on one core)."""
     depth = build_model_config(config.model).num_hidden_layers
     if exact or depth <= PROBE_DEPTHS[-1] + 2:
@@ -158,22 +141,12 @@ def measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int,
         layer_sizes = _layer_sizes(full.hf)
         all_parameters = sum(p.numel() for p in full.hf.parameters())
         teacher_parameters = _teacher_parameters(teacher_config)
-    probes = _probe_layers(layer_sizes)
+    probes = probe_layers(layer_sizes)
     with tempfile.TemporaryDirectory() as scratch:
-        shallow, deep = (_measure(_cut_to(config, layers, Path(scratch) / str(len(layers))), world_size, microbatch,
+        shallow, deep = (_measure(cut_to(config, layers, Path(scratch) / str(len(layers))), world_size, microbatch,
                                   seq_len, steps) for layers in probes)
-    return _extrapolated(shallow, deep, probes[1], layer_sizes, teacher_layers, all_parameters=all_parameters,
+    return extrapolated(shallow, deep, probes[1], layer_sizes, teacher_layers, all_parameters=all_parameters,
                          teacher_parameters=teacher_parameters)
-
-
-def _probe_layers(layer_sizes: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """The layers of the two probes: the first ``PROBE_DEPTHS[0]``, then those and the widest later layer (the
-    lowest index among equals), so that what the second probe adds per layer bounds every later layer's activations
-    from above (per-layer MLA ranks that grow, a searched head map)."""
-    first = list(range(PROBE_DEPTHS[0]))
-    later = range(PROBE_DEPTHS[0], len(layer_sizes))
-    widest = max(later, key=lambda index: (layer_sizes[index][0], -index))
-    return first, first + [widest]
 
 
 def _measure(config: TrainConfig, world_size: int, microbatch: int, seq_len: int, steps: int) -> dict:
@@ -291,103 +264,6 @@ def _teacher_parameters(teacher_config) -> int:
     if teacher_config is None:
         return 0
     return parameter_count(teacher_config)
-
-
-# The tracked peak grows by the same amount for every layer of one width from the third on (LLaMA-2-7B at world size
-# 8: +0.377 GiB a layer; tests/commands/test_plan_recipes.py holds 7-layer extrapolations to the 7-layer
-# measurements), so a deep model is measured at its first 3 layers, then with its widest later layer as a 4th.
-PROBE_DEPTHS = (3, 4)
-
-
-def _extrapolated(shallow: dict, deep: dict, deep_layers: list[int], layer_sizes: list[tuple[int, int]],
-                  teacher_layers: int, all_parameters: int, teacher_parameters: int) -> dict:
-    """The whole model's reading from the probes': what a layer adds to the parameters (and to the gradients, the
-    optimizer state and the checkpoint) is proportional to its own (trainable) parameters, taken from the whole
-    model after INIT, so layers that differ (a searched DHA head map, per-layer MLA ranks) count as they are; the
-    activations (each checkpointed layer's input) grow by the probes' difference per layer, that of the widest later
-    layer, so never less than they do; the FSDP buffers (one layer unsharded) follow the largest layer; a teacher's
-    shards grow by the probes' difference per layer."""
-    probe = len(deep_layers)
-    a, b = shallow['reading'], deep['reading']
-    last_parameters, last_trainable = layer_sizes[deep_layers[-1]]
-    rest = [size for index, size in enumerate(layer_sizes) if index not in deep_layers]
-    rest_parameters = sum(size for size, _ in rest)
-    rest_trainable = sum(trainable for _, trainable in rest)
-    extra_layers = len(rest)
-
-    def per_weight(delta: int, weight: int, rest: int) -> int:
-        return round(delta / weight * rest) if weight else 0
-
-    largest = max(size for size, _ in layer_sizes)
-    largest_probed = max(layer_sizes[index][0] for index in deep_layers)
-    reading = MemoryReading(
-        parameters=b.parameters + per_weight(b.parameters - a.parameters, last_parameters, rest_parameters),
-        gradients=b.gradients + per_weight(b.gradients - a.gradients, last_trainable, rest_trainable),
-        optimizer=b.optimizer + per_weight(b.optimizer - a.optimizer, last_trainable, rest_trainable),
-        activations=b.activations + extra_layers * (b.activations - a.activations),
-        fsdp_buffers=max(b.fsdp_buffers, round(b.fsdp_buffers * largest / largest_probed)),
-        teacher=b.teacher + (teacher_layers - probe) * (b.teacher - a.teacher) if b.teacher else 0,
-        other=b.other)
-    checkpoint_weight = 4 * last_parameters + 8 * last_trainable  # fp32 weights; Adam's two fp32 moments
-    checkpoint = deep['checkpoint_bytes'] + per_weight(deep['checkpoint_bytes'] - shallow['checkpoint_bytes'],
-                                                       checkpoint_weight, 4 * rest_parameters + 8 * rest_trainable)
-    return {**deep, 'reading': reading, 'checkpoint_bytes': checkpoint, 'all_parameters': all_parameters,
-            'teacher_parameters': teacher_parameters, 'layer_sizes': layer_sizes, 'depth': len(layer_sizes),
-            'extrapolated_from': list(PROBE_DEPTHS), 'probe_layers': deep_layers}
-
-
-_PER_LAYER_CONFIG_KEYS = ('mla_ranks', 'mla_rope_pairs', 'moh_shared_heads', 'moh_top_k', 'layer_types')
-
-
-def _picked(items: list, layers: list[int]) -> list:
-    return [items[index] for index in layers]
-
-
-def _cut_config(values: dict, layers: list[int]) -> dict:
-    """An HF config's dict with the decoder ``layers`` named (and the per-layer settings cut alike)."""
-    values = dict(values, num_hidden_layers=len(layers))
-    for key in _PER_LAYER_CONFIG_KEYS:
-        if isinstance(values.get(key), list):
-            values[key] = _picked(values[key], layers)
-    if isinstance(values.get('head_map'), dict):
-        values['head_map'] = {**values['head_map'], 'layers': _picked(values['head_map']['layers'], layers)}
-    return values
-
-
-def _cut_folder(folder: Path, layers: list[int], out: Path) -> str:
-    """``folder`` with its config cut to ``layers``; its other files (tokenizer, weights) linked (a plan builds on
-    fake tensors and reads no weight)."""
-    out.mkdir(parents=True)
-    for item in folder.iterdir():
-        if item.name != 'config.json':
-            (out / item.name).symlink_to(item.resolve())
-    (out / 'config.json').write_text(json.dumps(_cut_config(json.loads((folder / 'config.json').read_text()),
-                                                            layers)))
-    return str(out)
-
-
-def _cut_to(config: TrainConfig, layers: list[int], scratch: Path) -> TrainConfig:
-    """The run with the decoder ``layers`` of its model and of every model folder or head map its algorithms name
-    (a teacher, an attention-transfer source, a Fusion head map), in folders under ``scratch``."""
-    cut = copy.deepcopy(config)
-    if cut.model.pretrained_path is not None:
-        cut.model.pretrained_path = _cut_folder(Path(cut.model.pretrained_path), layers, scratch / 'model')
-    cut.model.config = _cut_config(cut.model.config, layers) if 'num_hidden_layers' in cut.model.config \
-        else cut.model.config
-    for name, settings in cut.algorithms.items():
-        for key, value in (settings or {}).items():
-            if not isinstance(value, str):
-                continue
-            path = Path(value)
-            if (path / 'config.json').is_file():
-                settings[key] = _cut_folder(path, layers, scratch / f'{name}.{key}')
-            elif path.suffix == '.json' and path.is_file():
-                head_map = json.loads(path.read_text())
-                if isinstance(head_map, dict) and isinstance(head_map.get('layers'), list):
-                    settings[key] = str(scratch / f'{name}.{key}.json')
-                    Path(settings[key]).write_text(json.dumps({**head_map, 'layers': _picked(head_map['layers'],
-                                                                                              layers)}))
-    return cut
 
 
 def _local_bytes(tensor) -> int:
