@@ -94,13 +94,12 @@ def bench_source(work: Path, source: str, say=print) -> Path:
     return folder
 
 
-def write_results(results: dict, folder: Path, copy_to: str | Path | None = None) -> str:
+def write_results(results: dict, folder: Path, copy_to: str | Path | None = None) -> None:
     """Write a bench's ``results.json`` in its own folder and, when asked (``--results``), the same bytes at
-    ``copy_to`` (docs/results/...): each atomically, so a run cut off leaves every file whole; returns the text."""
+    ``copy_to`` (docs/results/...): each atomically, so a run cut off leaves every file whole."""
     text = json.dumps(results, indent=2, default=str)
     Path(folder).mkdir(parents=True, exist_ok=True)
     write_file_atomically(Path(folder) / 'results.json', text)
     if copy_to is not None:
         Path(copy_to).parent.mkdir(parents=True, exist_ok=True)
         write_file_atomically(Path(copy_to), text)
-    return text

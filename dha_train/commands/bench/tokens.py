@@ -158,9 +158,8 @@ def run_token_bench(settings: TokenBenchSettings | None = None) -> dict:
             runs[arm].append(arms[arm](seed))
             save()
     results.update(summarise(runs))
-    save()
-    plot_tokens(results, work / 'tokens.png')
     write_results(results, work, settings.results)
+    plot_tokens(results, work / 'tokens.png')
     print(markdown_table(results))
     print(f'  results.json and tokens.png in {work}')
     return results
