@@ -489,12 +489,12 @@ CONVERSION_MLA_LINE = '## MLA on the quickstart teacher at the class\'s defaults
 
 @pytest.mark.parametrize('table', ['mla_table', 'mla_paired'])
 def test_the_conversion_mla_tables_are_the_bench_output(table):
-    from dha_train.commands.bench import conversion
+    from dha_train.commands.bench import conversion_mla
 
     page = (REPO / 'docs' / 'benchmarks' / 'quality.md').read_text()
     results = json.loads((RESULTS / CONVERSION_MLA).read_text())
-    generated = (conversion.mla_table(results) if table == 'mla_table'
-                 else conversion.mla_paired_table(results['mla_paired']))
+    generated = (conversion_mla.mla_table(results) if table == 'mla_table'
+                 else conversion_mla.mla_paired_table(results['mla_paired']))
     assert table_problems(page, generated, 'docs/benchmarks/quality.md', after=CONVERSION_MLA_LINE) == []
 
 

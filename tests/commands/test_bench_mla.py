@@ -39,7 +39,7 @@ def test_conversion_bench_mla_rows_sit_at_the_gqa_rows_cache_bytes_and_train(tmp
     and the default conversion trains, with and without distillation from the teacher, from the same start."""
     from transformers import LlamaConfig
 
-    from dha_train.commands.bench.conversion import mla_paired, mla_rows, sequence_scorer
+    from dha_train.commands.bench.conversion_mla import mla_paired, mla_rows, sequence_scorer
     from dha_train.methods import kv_cache_bytes
     from dha_train.stages import SEQ_LEN as BENCH_SEQ_LEN
     from helpers import save_tiny_llama

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dha_train.calibration import calibrate, calibration_batches
-from dha_train.commands.bench.mla_zero import MlaZeroSettings, paired_rows, run_mla_zero_bench
+from dha_train.commands.bench.mla_zero import MlaZeroSettings, run_mla_zero_bench
+from dha_train.commands.bench.mla_zero_rows import paired_rows
 from dha_train.commands.bench.transmla_runner import (
     adopt_transmla,
     calibration_sequences,

@@ -25,7 +25,7 @@ class EvalSpeedSettings:
     limit: int = 100
     batch_size: int = 16
     out: str = 'bench_eval_speed'
-    results_file: str | None = None  # also write the results here (the docs' record: docs/results/...)
+    results: str | None = None  # also write the results here (the docs' record: docs/results/...)
 
 
 def _score(lm_class, model, tokenizer, task: str, settings: EvalSpeedSettings) -> tuple[float, int, int, list]:
@@ -101,10 +101,10 @@ def run_eval_speed_bench(settings: EvalSpeedSettings | None = None) -> dict:
         bench_say('eval-speed', f'{task}: {rows[task]}')
     total_plain = sum(row['hflm_s'] for row in rows.values())
     total_cached = sum(row['cached_s'] for row in rows.values())
-    results = {'settings': {k: v for k, v in asdict(settings).items() if k != 'results_file'}, 'model': str(folder),
+    results = {'settings': {k: v for k, v in asdict(settings).items() if k != 'results'}, 'model': str(folder),
                'tasks': rows, 'total': {'hflm_s': round(total_plain, 2), 'cached_s': round(total_cached, 2),
                                         'speedup': round(total_plain / total_cached, 2)}}
-    write_results(results, out, settings.results_file)
+    write_results(results, out, settings.results)
     print(markdown_table(results))
     return results
 
