@@ -365,7 +365,10 @@ QUOTING_SECTIONS = {
                       '0.04': "a bound on the table's 0-token differences", '0.15': "the table's intervals, rounded"}},
     ('docs/methods/dha.md', "## DHA's tokens against GQA's"): {
         'files': ('bench_tokens.json', 'bench_tokens_smollm2.json'),
-        'elsewhere': {'1.67': "bench conversion's single run (quality.md)"}},
+        'elsewhere': {'1.67': "bench conversion's single run (quality.md)",
+                      '1.2': "GQA's tokens over DHA's mean Fusion tokens, by hand",
+                      **{figure: 'the overturned run (git show 8f2b1f7:docs/results/bench_tokens.json)' for figure in
+                         ('0.93', '0.90', '0.97', '0.42', '0.41', '0.49', '3.901', '3.966', '1.05', '0.94', '1.08')}}},
     ('docs/benchmarks/cost.md', '## `dha-train bench eval-speed`'): {
         'files': ('bench_eval_speed.json',), 'elsewhere': {'1.2': 'the profile, by hand'}},
 }

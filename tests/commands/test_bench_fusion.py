@@ -46,7 +46,9 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     assert low <= value <= high and 'vs_first' not in slow
     table = markdown_table(results)
     assert len(table.splitlines()) == 4 and '4 batches, omega lr 0.4, lambda lr 20, margin 0' in table
-    assert (tmp_path / 'fusion.json').read_text() == (tmp_path / 'bench' / 'fusion' / 'results.json').read_text()
+    first_folder = Path(results['plots'][0]).parent  # this grid's own folder under fusion/
+    assert first_folder.parent == tmp_path / 'bench' / 'fusion'
+    assert (tmp_path / 'fusion.json').read_text() == (first_folder / 'results.json').read_text()
     # run again: every Fusion and its scoring are reused, with the same figures
     again = run_fusion_bench(settings)
     assert [row['fusion_loss'] for row in again['rows']] == [row['fusion_loss'] for row in results['rows']]
@@ -61,6 +63,9 @@ def test_bench_fusion_runs_each_setting_from_the_same_map_and_records_where_fusi
     assert short['batches_run'] <= 2 and short['tokens'] == (
         short['batches_run'] * curve['settings']['batch'] * curve['settings']['seq_len'])
     assert [Path(plot).name for plot in curve['plots']] == ['fusion.png', 'fusion_budgets.png']
+    # another grid writes beside the first, never over it
+    assert Path(curve['plots'][0]).parent != first_folder
+    assert (tmp_path / 'fusion.json').read_text() == (first_folder / 'results.json').read_text()
     # a run that reaches the threshold (here one every run reaches) stops Fusion and trains CT for the rest
     early = run_fusion_bench(replace(settings, omega_lr=(0.4,), overrides={'threshold': 1.0e6}, results=None))
     (stopped,) = early['rows']

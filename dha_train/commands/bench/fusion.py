@@ -17,11 +17,13 @@ already made (same source, data, recipe and setting) is reused, so a curve can e
 A run that reaches the threshold early continues with CT for the rest of its budget, as `bench real` runs DHA, so
 runs are compared (``vs_first``) at the same tokens. Rows: the setting, L_fusion after every batch, the batch at
 which it fell below the threshold (or none), the baked model's losses and the losses at the budget. Writes
-``fusion/results.json`` under ``--out`` (and ``--results``) and ``fusion/fusion.png``.
+``results.json`` (and ``--results``), ``fusion.png`` and, over several budgets, ``fusion_budgets.png`` in the grid's
+own folder, ``fusion/grid-<digest of its settings>`` under ``--out``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -145,12 +147,20 @@ def run_fusion_bench(settings: FusionBenchSettings | None = None) -> dict:
         bench_say('fusion', f'{label}: L_fusion {row["final_fusion_loss"]:.4f} after {row["batches_run"]} '
             f'batches (converged at {row["converged_at"]}); validation {row["validation_loss"]:.3f} baked, '
             f'{row["budget_validation_loss"]:.3f} at the budget')
-    results['plots'] = [str(plot_fusion(results, runs / 'fusion.png'))]
+    # each grid its own folder of results and plots, so a second invocation (another grid) keeps the first's
+    outputs = runs / f'grid-{grid_digest(results["settings"])}'
+    results['plots'] = [str(plot_fusion(results, outputs / 'fusion.png'))]
     if len(budgets) > 1:
-        results['plots'].append(str(plot_budgets(results, runs / 'fusion_budgets.png')))
-    write_results(results, runs, settings.results)
+        results['plots'].append(str(plot_budgets(results, outputs / 'fusion_budgets.png')))
+    write_results(results, outputs, settings.results)
     print(markdown_table(results))
     return results
+
+
+def grid_digest(settings: dict) -> str:
+    """Eight hex digits naming a grid by every setting but where its results are copied to."""
+    chosen = {key: value for key, value in settings.items() if key != 'results'}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def score_stage(runner: StageRunner, runs: Path, name: str, folder: str, texts: dict[str, Path],
