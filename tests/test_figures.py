@@ -358,7 +358,10 @@ QUOTING_SECTIONS = {
                       '0.25': 'MHA2MLA (paper)'}},
     ('docs/methods/dha.md', "## Fusion at a third of SmolLM2's cache"): {
         'files': ('bench_fusion.json', 'bench_fusion_budgets.json', 'bench_real.json', 'bench_real_dha.json'),
-        'elsewhere': {'0.081': 'the run of 2026-11-28 (git show ac58914:docs/results/bench_fusion.json)'}},
+        'elsewhere': {'0.081': 'the run of 2026-11-28 (git show ac58914:docs/results/bench_fusion.json)',
+                      '0.14': "mean-pool CT's move between two machines (git show 03e31c8:docs/results/bench_real_dha.json)",
+                      **dict.fromkeys(('0.312', '0.342', '0.281'),
+                                      'the run of 2026-11-28 (git show 03e31c8:docs/results/bench_real_dha.json)')}},
     ('docs/benchmarks/quality.md', "## MLA on the quickstart teacher at the class's defaults"): {
         'files': ('bench_conversion_mla.json',),
         'elsewhere': {'4.2931': 'the 2026-11-25 run, the table above', '3.7700': 'the 2026-11-25 run, the table above',
@@ -508,7 +511,7 @@ LOSS_INTERVAL_FILES = ('bench_real.json', 'bench_real_dha.json', 'bench_fusion.j
                        'mla_zero.json')
 # Written before the held-out texts were many capped documents: their loss intervals are over cuts of 2 documents
 # (or an unrecorded count), which docs/status.md names; each leaves this list when its bench is re-run.
-AWAITING_RERUN = ('bench_real.json', 'bench_real_dha.json')
+AWAITING_RERUN = ('bench_real.json',)
 
 
 def recorded_documents(results) -> int | None:

@@ -39,7 +39,7 @@ def comparison_kind(row: dict) -> str:
 
 
 def add_intervals(results: dict, seed: int = 0) -> None:
-    """Each row's 95% intervals (held-out loss over sequences, mean accuracy over documents) and its paired
+    """Each row's 95% intervals (held-out loss and mean accuracy, both over documents) and its paired
     differences, with seeded bootstrap intervals, from the teacher and from mean-pool at the same budget, tokens and
     kind of row (``comparison_kind``), over the documents and sequences the two share (``vs_teacher``,
     ``vs_mean_pool``: {'loss'|'accuracy': [difference, low, high]}), for rows that kept their documents; and each
@@ -131,7 +131,7 @@ def print_intervals(results: dict) -> None:
               f'{with_interval(row["mean_accuracy"], row["accuracy_ci95"]):>15}  '
               f'{marked_difference(versus_teacher.get("loss")):>26} {marked_difference(versus_teacher.get("accuracy")):>26} '
               f'{marked_difference((row.get("vs_mean_pool") or {}).get("accuracy")):>26}')
-    print('  ± : 95% interval (loss over held-out sequences, accuracy over documents); [ ] : paired bootstrap 95% '
+    print('  ± : 95% interval over documents (held-out loss: the documents its sequences come from; accuracy: each task\'s); [ ] : paired bootstrap 95% '
           'interval of the difference on the same documents and sequences; * : it excludes 0')
 
 
