@@ -360,6 +360,7 @@ QUOTING_SECTIONS = {
         'files': ('bench_fusion.json', 'bench_fusion_budgets.json', 'bench_real.json', 'bench_real_dha.json'),
         'elsewhere': {'0.081': 'the run of 2026-11-28 (git show ac58914:docs/results/bench_fusion.json)',
                       '0.14': "mean-pool CT's move between two machines (git show 03e31c8:docs/results/bench_real_dha.json)",
+                      '0.69': "the SmolLM2 token study's baked models, 5.383 - 4.693 (its section below)",
                       **dict.fromkeys(('0.312', '0.342', '0.281'),
                                       'the run of 2026-11-28 (git show 03e31c8:docs/results/bench_real_dha.json)')}},
     ('docs/benchmarks/quality.md', "## MLA on the quickstart teacher at the class's defaults"): {
